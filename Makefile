@@ -1,0 +1,33 @@
+# Two commands: `make test` and `make demo`. Both create/refresh .venv through `make install`.
+# Torch is installed first from an overridable pin so a fresh install never pulls a CUDA build
+# unasked:  make install TORCH_SPEC="torch==2.5.1+cu121" PIP_EXTRA="--index-url ..."
+PY ?= python3
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: install test test-all demo lint clean
+
+install: $(VENV)/.installed-$(EXTRAS)
+
+$(VENV)/.installed-$(EXTRAS): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(PIP_EXTRA)
+	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+lint: install
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+
+test-all: lint
+	$(BIN)/python -m pytest -q
+
+demo: install
+	$(BIN)/projected-grpo demo
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

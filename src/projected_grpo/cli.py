@@ -1,0 +1,41 @@
+"""`projected-grpo` command line: one subcommand per pipeline stage, no logic here.
+
+Each subcommand names the library function that implements it ("module:function"); that function
+takes the remaining argv and parses it itself (with tyro), so `projected-grpo --help` stays fast
+(nothing heavy is imported until a subcommand runs) and every option is documented where it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (one-line help, "module:function taking argv: list[str] and returning an exit code")
+COMMANDS: dict[str, tuple[str, str]] = {
+}
+
+
+def _usage() -> str:
+    width = max((len(n) for n in COMMANDS), default=0)
+    lines = ["usage: projected-grpo COMMAND [options]   (projected-grpo COMMAND --help for options)", "",
+             "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (help_, _) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"projected-grpo: unknown command {name!r}; known: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module, func = COMMANDS[name][1].split(":")
+    fn = getattr(importlib.import_module(module), func)
+    return int(fn(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The reward-hacking environment: sandbox, problems, loophole graders, oracle, detectors."""

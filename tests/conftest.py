@@ -1,0 +1,30 @@
+"""Shared test setup: few threads (CI has 2 cores), GPU tests skip without CUDA, shared data path."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def shared_data() -> pathlib.Path:
+    """`../shared/data` beside the repo; tests that need it skip cleanly where it is absent."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"{SHARED_DATA} not present (a user's clone has no ../shared)")
+    return SHARED_DATA
