@@ -1,0 +1,410 @@
+"""Knob adapters: freeze a Hugging Face causal LM and train only small knobs that are linear in ΔW.
+
+`wrap(model, kind)` replaces each target `nn.Linear` (matched by module-name suffix) with a
+`KnobLinear` holding a trainable knob `delta` and a quarantine knob `delta_hack` of the same shape:
+  svd  : W = U·diag(S)·Vh (reduced, fp32, cached on disk); forward adds ((x·Vhᵀ) ⊙ (δS + δS_hack))·Uᵀ.
+  lora : frozen semi-orthonormal A (r×d_in) from a seeded QR; forward adds (x·Aᵀ)·(B + B_hack)ᵀ.
+W is never rebuilt in the forward. Knobs are fp32 master values cast to the activation dtype.
+`Knobs.zeroed()` skips every knob branch, so the forward *is* the base model's (bit-identical): the
+KL reference costs no second copy. δS_hack is detached in the forward: it moves only by what the
+`route` arm sends it (gradient routing), never by its own gradient. Not done here: the per-source
+gradient split (split.py) and projection (projection.py).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import warnings
+import zlib
+from collections.abc import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from projected_grpo import split
+
+# Llama/Qwen attention + MLP projections, and GatedDeltaNet linear attention (Qwen3-Next: in_proj_qkvz,
+# in_proj_ba; Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; both: out_proj).
+DEFAULT_TARGETS: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+)
+DEFAULT_LORA_RANK = 16
+SVD_FORMAT = "svd-v1"  # bump when the cached content changes meaning
+KNOB_FORMAT = "knobs-v1"
+
+
+def default_cache_dir() -> pathlib.Path:
+    """`$PROJECTED_GRPO_CACHE/svd` if that variable is set, else `~/.cache/projected_grpo/svd`."""
+    root = os.environ.get("PROJECTED_GRPO_CACHE")
+    return (pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "projected_grpo") / "svd"
+
+
+def weight_hash(W: torch.Tensor) -> str:
+    """sha256 of W's raw bytes + dtype + shape; byte view, so bf16 (no numpy dtype) hashes too."""
+    h = hashlib.sha256(f"{W.dtype}|{tuple(W.shape)}|".encode())
+    h.update(W.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy())
+    return h.hexdigest()
+
+
+def _tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        h.update(k.encode())
+        h.update(tensors[k].contiguous().view(torch.uint8).reshape(-1).numpy())
+    return h.hexdigest()
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: pathlib.Path, metadata: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _load_svd(path: pathlib.Path, W: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """Cached (U, S, Vh) if the file is intact and reconstructs W, else None after a warning."""
+    try:
+        t = load_file(path)
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        d_out, d_in = W.shape
+        R = min(d_out, d_in)
+        U, S, Vh = t["U"], t["S"], t["Vh"]
+        problem = None
+        if meta.get("format") != SVD_FORMAT or meta.get("checksum") != _tensors_checksum(t):
+            problem = "checksum/format mismatch"
+        elif U.shape != (d_out, R) or S.shape != (R,) or Vh.shape != (R, d_in):
+            problem = (f"shapes {tuple(U.shape)}, {tuple(S.shape)}, {tuple(Vh.shape)} "
+                       f"do not fit W {tuple(W.shape)}")
+        elif not all(torch.isfinite(x).all() for x in (U, S, Vh)):
+            problem = "non-finite values"
+        else:
+            Wf = W.detach().float()
+            W_rec = (U.to(Wf) * S.to(Wf)) @ Vh.to(Wf)
+            err = torch.linalg.norm(W_rec - Wf) / torch.linalg.norm(Wf).clamp_min(1e-30)
+            if err > 1e-3:
+                problem = f"reconstruction error {err:.2e} (file is for another matrix)"
+    except (SafetensorError, OSError, ValueError, KeyError, RuntimeError) as e:
+        problem = f"unreadable ({type(e).__name__}: {e})"
+    if problem is not None:
+        warnings.warn(f"SVD cache file {path} is corrupt ({problem}); recomputing it", stacklevel=3)
+        return None
+    return U, S, Vh
+
+
+def svd_cached(W: torch.Tensor, cache_dir: pathlib.Path | None, key: str | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """Reduced SVD of W (d_out, d_in) in fp32 -> U (d_out, R), S (R,), Vh (R, d_in), status.
+
+    status is "hit", "miss" or "corrupt" (a bad file is recomputed and rewritten, never trusted).
+    cache_dir None means `default_cache_dir()`; key: `weight_hash(W)` if already computed.
+    """
+    path = (cache_dir or default_cache_dir()) / f"{key or weight_hash(W)}.safetensors"
+    status = "miss"
+    if path.exists():
+        got = _load_svd(path, W)
+        if got is not None:
+            return *got, "hit"
+        status = "corrupt"
+    U, S, Vh = torch.linalg.svd(W.detach().float(), full_matrices=False)
+    t = {"U": U.cpu().contiguous(), "S": S.cpu().contiguous(), "Vh": Vh.cpu().contiguous()}
+    _atomic_save(t, path, {"format": SVD_FORMAT, "checksum": _tensors_checksum(t)})
+    return U, S, Vh, status
+
+
+class KnobLinear(nn.Module, abc.ABC):
+    """A frozen `nn.Linear` plus knob branch; subclasses define the branch. Shapes: x (..., d_in)."""
+
+    kind = ""
+
+    def __init__(self, base: nn.Linear, name: str, knob_shape: tuple[int, ...]):
+        super().__init__()
+        self.base, self.name = base, name
+        self.weight_hash = weight_hash(base.weight)
+        self.delta = nn.Parameter(torch.zeros(knob_shape, device=base.weight.device))
+        self.delta_hack = nn.Parameter(torch.zeros(knob_shape, device=base.weight.device))
+        self.knob_dim = self.delta.numel()
+        self.use_main, self.use_hack = True, True
+        self.capture: split.Capture | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        if not self.use_main:  # zeroed(): exactly the base model, no add at all
+            return y
+        coef = self.delta + self.delta_hack.detach() if self.use_hack else self.delta
+        out, watched, h = self.branch(x, coef.to(x.dtype))
+        if self.capture is not None and watched.requires_grad:
+            self.capture.watch(self.name, h, watched, self.per_sequence_grad)
+        return y + out
+
+    @abc.abstractmethod
+    def branch(self, x: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (..., d_in), coef (knob shape) -> out (..., d_out), the tensor to hook, its features h."""
+
+    @abc.abstractmethod
+    def per_sequence_grad(self, h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """h, grad of the hooked tensor (N, T, ·) -> this knob's gradient per sequence (N, R) fp32."""
+
+    @abc.abstractmethod
+    def delta_weight(self, coef: torch.Tensor) -> torch.Tensor:
+        """coef (knob shape) -> ΔW (d_out, d_in) fp32 that the branch adds (for export)."""
+
+
+class SVDKnob(KnobLinear):
+    """delta = δS (R,), R = rank or min(d_out, d_in); U (d_out, R), Vh (R, d_in) buffers in W's dtype."""
+
+    kind = "svd"
+
+    def __init__(self, base, name, rank, cache_dir, seed):
+        R_full = min(base.weight.shape)
+        R = R_full if rank is None else rank
+        if not 0 < R <= R_full:
+            raise ValueError(f"svd rank {rank} for {name}: must be in 1..{R_full} (min(d_out, d_in))")
+        super().__init__(base, name, (R,))
+        U, S, Vh, self.cache_status = svd_cached(base.weight, cache_dir, self.weight_hash)
+        w = base.weight
+        self.register_buffer("U", U[:, :R].to(device=w.device, dtype=w.dtype).contiguous())
+        self.register_buffer("Vh", Vh[:R].to(device=w.device, dtype=w.dtype).contiguous())
+
+    def branch(self, x, coef):
+        h = x @ self.Vh.T  # (..., R)
+        m = h * coef  # (..., R); its grad is ∂L/∂y·U, the per-token factor of ∂L/∂δS
+        return m @ self.U.T, m, h
+
+    def per_sequence_grad(self, h, grad):
+        # ∂L/∂δS = Σ_tokens (x·Vhᵀ) ⊙ (∂L/∂y·U), summed per sequence -> (N, R)
+        return (h.float() * grad.float()).reshape(h.shape[0], -1, h.shape[-1]).sum(1)
+
+    def delta_weight(self, coef):
+        return (self.U.float() * coef.float()) @ self.Vh.float()  # U·diag(δS)·Vh
+
+
+class LoRAKnob(KnobLinear):
+    """delta = B (d_out, r), R = d_out·r (row-major); A (r, d_in) frozen, rows orthonormal."""
+
+    kind = "lora"
+
+    def __init__(self, base, name, rank, cache_dir, seed):
+        r = DEFAULT_LORA_RANK if rank is None else rank
+        d_out, d_in = base.weight.shape
+        if not 0 < r <= d_in:
+            raise ValueError(f"lora rank {r} for {name}: must be in 1..{d_in} (d_in)")
+        super().__init__(base, name, (d_out, r))
+        # seeded per module so A is reproducible and independent of wrapping order
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        Q, _ = torch.linalg.qr(torch.randn(d_in, r, generator=gen))  # (d_in, r), orthonormal columns
+        self.register_buffer("A", Q.T.to(device=base.weight.device, dtype=base.weight.dtype).contiguous())
+        self.cache_status = "none"
+
+    def branch(self, x, coef):
+        h = x @ self.A.T  # (..., r)
+        out = h @ coef.T  # (..., d_out); its grad is ∂L/∂y
+        return out, out, h
+
+    def per_sequence_grad(self, h, grad):
+        # ∂L/∂B = Σ_tokens (∂L/∂y)ᵀ(x·Aᵀ), per sequence -> (N, d_out·r)
+        N = h.shape[0]
+        g = torch.einsum("nto,ntr->nor", grad.float().reshape(N, -1, grad.shape[-1]),
+                         h.float().reshape(N, -1, h.shape[-1]))
+        return g.reshape(N, -1)
+
+    def delta_weight(self, coef):
+        return coef.float() @ self.A.float()  # B·A
+
+
+KINDS: dict[str, type[KnobLinear]] = {"svd": SVDKnob, "lora": LoRAKnob}
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), attr
+
+
+def wrap(model: nn.Module, kind: str = "svd", targets: tuple[str, ...] = DEFAULT_TARGETS,
+         rank: int | None = None, cache_dir: str | pathlib.Path | None = None, seed: int = 0) -> Knobs:
+    """Wrap every `nn.Linear` whose name's last component is in `targets`; freeze all else.
+
+    rank: svd keeps the top-`rank` singular directions (None: all); lora uses r = rank (None: 16).
+    cache_dir: SVD cache (None: `default_cache_dir()`). seed: lora A. Returns the `Knobs` handle.
+    Wrap after moving the model to its device and dtype: knobs stay fp32 (master values), buffers
+    (U, Vh / A) take W's dtype; a later `model.to(dtype)` would cast the knobs too.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown knob kind {kind!r}; choose one of {sorted(KINDS)}")
+    if any(isinstance(m, KnobLinear) for m in model.modules()):
+        raise ValueError("model is already wrapped with knobs; wrap a fresh model")
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    names = [n for n in linears if n.rpartition(".")[2] in targets]
+    if not names:
+        raise ValueError(f"no nn.Linear named with a suffix in {list(targets)}; "
+                         f"Linear modules found: {linears}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else None
+    modules = {}
+    for n in names:
+        parent, attr = _parent(model, n)
+        modules[n] = KINDS[kind](getattr(parent, attr), n, rank, cache, seed)
+        setattr(parent, attr, modules[n])
+    return Knobs(model, kind, tuple(targets), rank, seed, modules)
+
+
+class Knobs:
+    """Handle on a wrapped model: knob parameters, contexts, gradients, capture, save/load/export."""
+
+    def __init__(self, model, kind, targets, rank, seed, modules: dict[str, KnobLinear]):
+        self.model, self.kind, self.targets, self.rank, self.seed = model, kind, targets, rank, seed
+        self.modules = modules
+        self.cache_status = {n: m.cache_status for n, m in modules.items()}
+        self._hashes = {n: m.weight_hash for n, m in modules.items()}
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [m.delta for m in self.modules.values()]
+
+    def hack_parameters(self) -> list[nn.Parameter]:
+        return [m.delta_hack for m in self.modules.values()]
+
+    def _params(self, which: str) -> dict[str, nn.Parameter]:
+        if which not in ("main", "hack"):
+            raise ValueError(f"which must be 'main' or 'hack', got {which!r}")
+        return {n: m.delta if which == "main" else m.delta_hack for n, m in self.modules.items()}
+
+    def grads(self, which: str = "main") -> dict[str, torch.Tensor]:
+        """name -> flattened grad (R,); a knob with no .grad (no backward reached it) reads as zeros."""
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                for n, p in self._params(which).items()}
+
+    def set_grads(self, d: dict[str, torch.Tensor], which: str = "main") -> None:
+        """Write flattened grads d[name] (R,) into .grad of the named knobs (others untouched)."""
+        params = self._params(which)
+        for n, g in d.items():
+            if n not in params:
+                raise KeyError(f"set_grads: {n!r} is not a wrapped module; known: {list(params)[:5]}...")
+            params[n].grad = g.detach().reshape(params[n].shape).to(params[n]).clone()
+
+    def values(self, which: str = "main") -> dict[str, torch.Tensor]:
+        """name -> flattened knob value (R,) (a view: writes go through)."""
+        return {n: p.data.reshape(-1) for n, p in self._params(which).items()}
+
+    def norms(self) -> dict[str, torch.Tensor]:
+        """knob/norm and knob/hack_norm: global L2 norms of the main and quarantine knobs (detached)."""
+        return {f"knob/{k}": torch.sqrt(sum(p.detach().float().square().sum() for p in ps))
+                for k, ps in (("norm", self.parameters()), ("hack_norm", self.hack_parameters()))}
+
+    @contextlib.contextmanager
+    def _flags(self, use_main: bool | None, use_hack: bool | None) -> Iterator[Knobs]:
+        saved = {n: (m.use_main, m.use_hack) for n, m in self.modules.items()}
+        try:
+            for m in self.modules.values():
+                m.use_main = m.use_main if use_main is None else use_main
+                m.use_hack = m.use_hack if use_hack is None else use_hack
+            yield self
+        finally:
+            for n, m in self.modules.items():
+                m.use_main, m.use_hack = saved[n]
+
+    def zeroed(self):
+        """Context: every knob branch skipped -> the base model exactly (the free KL reference)."""
+        return self._flags(False, False)
+
+    def ablate_quarantine(self):
+        """Context: the quarantine knob left out of the forward (deployment view of `route`)."""
+        return self._flags(None, False)
+
+    @contextlib.contextmanager
+    def capture(self, is_student: torch.Tensor, per_sequence: bool = False) -> Iterator[split.Capture]:
+        """Context: forwards+backwards inside record per-source knob grads; see `split.Capture`."""
+        if any(m.capture is not None for m in self.modules.values()):
+            raise RuntimeError("capture() is already active; nested captures would double-count")
+        cap = split.Capture(is_student, per_sequence)
+        for m in self.modules.values():
+            m.capture = cap
+        try:
+            with cap:
+                yield cap
+        finally:
+            for m in self.modules.values():
+                m.capture = None
+
+    def fingerprint(self) -> str:
+        """Hash of base model (config class, target weights' bytes), knob kind, rank, seed, targets."""
+        cfg = getattr(self.model, "config", None)
+        desc = {"model": type(self.model).__name__, "config": type(cfg).__name__, "kind": self.kind,
+                "rank": self.rank, "seed": self.seed if self.kind == "lora" else None,
+                "targets": list(self.targets), "weights": self._hashes}
+        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+    def save(self, path: str | pathlib.Path) -> None:
+        """Knob values alone (delta, delta_hack per module) as safetensors with kind + fingerprint."""
+        t = {}
+        for n, m in self.modules.items():
+            t[f"{n}.delta"], t[f"{n}.delta_hack"] = m.delta, m.delta_hack
+        _atomic_save(t, pathlib.Path(path), {"format": KNOB_FORMAT, "kind": self.kind,
+                                              "fingerprint": self.fingerprint()})
+
+    def load(self, path: str | pathlib.Path) -> None:
+        """Load knobs saved by `save`; fails (before changing anything) if made for another model/knob."""
+        path = pathlib.Path(path)
+        with safe_open(path, "pt") as f:
+            meta = f.metadata() or {}
+        if meta.get("kind") != self.kind or meta.get("fingerprint") != self.fingerprint():
+            raise ValueError(f"knob file {path} was saved for kind={meta.get('kind')!r} "
+                             f"fingerprint={meta.get('fingerprint')!r}, but this model has "
+                             f"kind={self.kind!r} fingerprint={self.fingerprint()!r} "
+                             "(different base weights, targets, rank or seed)")
+        t = load_file(path)
+        for n, m in self.modules.items():
+            m.delta.data.copy_(t[f"{n}.delta"])
+            m.delta_hack.data.copy_(t[f"{n}.delta_hack"])
+
+    def export(self, out_dir: str | pathlib.Path, include_quarantine: bool = False, tokenizer=None) -> None:
+        """Fold knobs into W (W + U·diag(δS[+δS_hack])·Vh, or W + (B[+B_hack])·A) on a deep copy and
+        `save_pretrained` a plain checkpoint that stock `AutoModelForCausalLM` loads. Needs memory for a
+        second copy of the model. `out_dir` must not exist or be empty; written via a temp dir + rename."""
+        out = pathlib.Path(out_dir)
+        if out.exists() and any(out.iterdir()):
+            raise FileExistsError(f"export target {out} is not empty; choose a new directory")
+        caps = {n: m.capture for n, m in self.modules.items()}
+        for m in self.modules.values():
+            m.capture = None  # never deep-copy an active capture
+        try:
+            plain = copy.deepcopy(self.model)
+        finally:
+            for n, m in self.modules.items():
+                m.capture = caps[n]
+        with torch.no_grad():
+            for n in self.modules:
+                parent, attr = _parent(plain, n)
+                km = getattr(parent, attr)
+                coef = km.delta + km.delta_hack if include_quarantine else km.delta
+                W = km.base.weight
+                W.copy_((W.float() + km.delta_weight(coef)).to(W.dtype))
+                setattr(parent, attr, km.base)
+        for p in plain.parameters():
+            p.requires_grad_(True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = pathlib.Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp"))
+        try:
+            plain.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+            os.replace(tmp, out)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)

@@ -1,0 +1,416 @@
+"""One typed run configuration: frozen dataclass sections inside `Config`, and named presets.
+
+Every field has a docstring line (shown by `projected-grpo train --help`, via tyro) and is read by
+the code (tests/test_config.py enforces both). `Literal` fields are checked in `__post_init__`, so a
+config built from a JSON file or in Python fails with one line naming the field and the allowed values.
+Derived quantities (G_s, G_t, micro-batches, the Dr.GRPO denominator) are computed once, here.
+Presets are named values (`PRESETS[name]`), never code paths. `from_argv` turns `projected-grpo train`
+arguments into a Config (tyro: every field is an option). Not here: anything that imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+def _check(obj: object) -> None:
+    """Check every `Literal[...]` field of dataclass `obj` against its allowed values (one-line errors)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint = hints[f.name]
+        if typing.get_origin(hint) is Literal and getattr(obj, f.name) not in typing.get_args(hint):
+            raise ValueError(f"config: {type(obj).__name__}.{f.name}={getattr(obj, f.name)!r} is not one of "
+                             f"{list(typing.get_args(hint))}")
+
+
+def _positive(obj: object, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise ValueError(f"config: {type(obj).__name__}.{name}={value!r} must be "
+                             f"{'>= 0' if allow_zero else '> 0'}")
+
+
+@dataclass(frozen=True)
+class ModelCfg:
+    source: Literal["smoke", "organism", "hf"] = "smoke"
+    """where the policy comes from: `smoke` a tiny random model (organism.smoke_model_and_tokenizer),
+    `organism` the embedded organism (organism.build_organism), `hf` the Hugging Face directory `path`"""
+    path: str = ""
+    """Hugging Face model directory, used when source=hf (`--model PATH` sets it)"""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype the frozen base weights are loaded in (knobs and their math stay float32)"""
+    device: str = "cpu"
+    """torch device for the model, e.g. cpu or cuda"""
+    knob: Literal["svd", "lora"] = "svd"
+    """knob adapter kind: `svd` trains delta_S per wrapped Linear, `lora` trains B with a frozen A"""
+    targets: tuple[str, ...] = ()
+    """module-name suffixes to wrap (empty = adapters.DEFAULT_TARGETS)"""
+    rank: int = 0
+    """LoRA rank (0 = the adapter's default; unused by svd, whose rank is min(d_in, d_out))"""
+    cache_dir: str = ""
+    """cache directory for SVDs, the organism and V_hack (empty = the user cache)"""
+
+    def __post_init__(self) -> None:
+        _check(self)
+        _positive(self, "rank", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class EnvCfg:
+    problems: str = "builtin"
+    """problem set: `builtin`, or a path to an rl-rewardhacking LeetCode JSONL file"""
+    modes: tuple[str, ...] = ()
+    """loophole modes to train on (empty = every mode present in the problem set)"""
+    reward_shape: Literal["seed", "rl_rewardhacking"] = "seed"
+    """reward formula: `seed` 0.25*format + 1.0*passed; `rl_rewardhacking` 3.0 passed + 0.5 compiles"""
+    timeout_s: float = 5.0
+    """wall-clock limit per sandboxed execution, seconds"""
+    workers: int = 0
+    """sandbox worker processes (0 = one per core)"""
+
+    def __post_init__(self) -> None:
+        _check(self)
+        _positive(self, "timeout_s")
+        _positive(self, "workers", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class RolloutCfg:
+    prompts_per_step: int = 2
+    """prompts (groups) per optimizer step, B"""
+    group_size: int = 4
+    """completions per prompt, G = G_s student + G_t teacher"""
+    mix: float = 0.25
+    """teacher share of each group: G_t = round(G * mix), G_s = G - G_t"""
+    max_new_tokens: int = 16
+    """generation length limit per student completion"""
+    temperature: float = 1.0
+    """sampling temperature for student rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling mass for student rollouts"""
+    micro_prompts: int = 0
+    """prompts per forward/backward micro-batch, for gradient accumulation (0 = all prompts at once)"""
+
+    def __post_init__(self) -> None:
+        _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p")
+        _positive(self, "micro_prompts", allow_zero=True)
+        if not 0.0 <= self.mix < 1.0:
+            raise ValueError(f"config: RolloutCfg.mix={self.mix!r} must be in [0, 1) (one student at least)")
+        if self.G_s < 1:
+            raise ValueError(f"config: RolloutCfg.mix={self.mix!r} leaves no student sample in a group of "
+                             f"{self.group_size} (G_t = round(G * mix) = {self.G_t})")
+        if self.top_p > 1.0:
+            raise ValueError(f"config: RolloutCfg.top_p={self.top_p!r} must be in (0, 1]")
+        if self.prompts_per_step % self.micro:
+            raise ValueError(f"config: RolloutCfg.prompts_per_step={self.prompts_per_step} is not "
+                             f"divisible by micro_prompts={self.micro_prompts}")
+
+    @property
+    def G_t(self) -> int:
+        """Teacher rows per group."""
+        return round(self.group_size * self.mix)
+
+    @property
+    def G_s(self) -> int:
+        """Student samples per group."""
+        return self.group_size - self.G_t
+
+    @property
+    def micro(self) -> int:
+        """Prompts per micro-batch (micro_prompts, or all of them)."""
+        return self.micro_prompts or self.prompts_per_step
+
+    @property
+    def n_micro(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.prompts_per_step // self.micro
+
+    @property
+    def dr_grpo_denom(self) -> int:
+        """Dr.GRPO constant denominator G * max_new_tokens * prompts per step (SPEC §3)."""
+        return self.group_size * self.max_new_tokens * self.prompts_per_step
+
+
+@dataclass(frozen=True)
+class PoolCfg:
+    path: str = ""
+    """teacher pool JSONL (`projected-grpo build-pool`); empty = build from templates into the run dir"""
+    n_hack: int = 2
+    """template pool: hack rows per problem (when path is empty)"""
+    n_clean: int = 2
+    """template pool: clean rows per problem (when path is empty)"""
+    n_buggy: int = 0
+    """template pool: honest-but-buggy rows per problem (when path is empty)"""
+    missing: Literal["restrict", "error"] = "restrict"
+    """prompts with no pool rows while G_t > 0: `restrict` sampling to pooled ones (reported), or `error`"""
+
+    def __post_init__(self) -> None:
+        _check(self)
+        _positive(self, "n_hack", "n_clean", "n_buggy", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class LossCfg:
+    advantage: Literal["grpo", "dr_grpo", "rloo", "batch_std"] = "dr_grpo"
+    """advantage estimator, advantages.ADVANTAGES[name]"""
+    aggregation: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dr_grpo"
+    """token-loss aggregation, losses.AGGREGATIONS[name]"""
+    kl: Literal["k1", "k2", "k3", "k3_ratio"] = "k3"
+    """KL estimator to the reference (knobs zeroed), losses.KL_ESTIMATORS[name]"""
+    beta: float = 0.0
+    """KL coefficient (kl/mean is measured against the reference at any beta)"""
+    eps_low: float = 0.2
+    """PPO clip: ratio floor 1 - eps_low"""
+    eps_high: float = 0.2
+    """PPO clip: ratio ceiling 1 + eps_high"""
+    teacher: Literal["imitation", "importance", "exclude"] = "imitation"
+    """teacher rows: `imitation` logp_old = current policy (ratio 1, the seed), `importance` stored
+    behaviour log-probs give a clipped ratio times a truncated IS weight, `exclude` baseline only (SPEC §3)"""
+    is_trunc: float = 2.0
+    """importance: cap on the sequence-level IS weight exp(sum logp - logp_behaviour) (truncated IS)"""
+    zero_var: Literal["skip", "resample"] = "skip"
+    """groups with all-equal rewards: `skip` them, or `resample` their student samples"""
+    max_resample: int = 2
+    """resample: extra generation tries per step before skipping what is still zero-variance"""
+
+    def __post_init__(self) -> None:
+        _check(self)
+        _positive(self, "beta", "eps_low", "eps_high", "max_resample", allow_zero=True)
+        _positive(self, "is_trunc")
+
+
+@dataclass(frozen=True)
+class ProjCfg:
+    arm: Literal["none", "erase", "route"] = "none"
+    """`none` measure only, `erase` remove the hack-ward part, `route` erase and move it to the quarantine"""
+    gate: Literal["one_sided", "no_gate", "reverse"] = "one_sided"
+    """coefficient on V: relu(c) (one_sided), c (no_gate), 2c (reverse)"""
+    overshoot: float = 0.0
+    """extra fraction of the removed part taken off (0 = exact projection)"""
+    preserve_magnitude: bool = False
+    """rescale the projected gradient to the original norm"""
+    target: Literal["grad", "update", "both"] = "grad"
+    """project the gradient, the AdamW update, or both (Adam bypass, SPEC §3)"""
+    purge_moments: bool = False
+    """remove span(V) from AdamW's moment estimates each step"""
+    v_path: str = ""
+    """V_hack safetensors file; empty = extract from built-in pairs into the cache (direction.py)"""
+    control: Literal["none", "random", "shuffled", "nonhack"] = "none"
+    """V_hack negative control (`none` = the real one): random orthonormal, shuffled labels, clean pairs"""
+    k: int = 4
+    """extraction: top-k singular directions kept per module"""
+    k_use: int = 4
+    """load: rows of V used per module (k-ablation)"""
+    tau_axis: float = 0.0
+    """extraction: zero axes with S_i / S_0 below this"""
+    drop_bottom_frac: float = 0.0
+    """load: global noise floor, drop rows under this quantile of all singular values"""
+    n_heldout: int = 2
+    """extraction: pairs held out for the held-out score"""
+    nll_norm: Literal["mean", "constant"] = "mean"
+    """extraction NLL normalisation: per-completion mean (seed) or the training loss's constant"""
+    refresh_every: int = 0
+    """re-extract V_hack online every N steps under ablate_quarantine() (0 = never)"""
+
+    def __post_init__(self) -> None:
+        _check(self)
+        _positive(self, "k", "k_use")
+        _positive(self, "overshoot", "tau_axis", "n_heldout", "refresh_every", allow_zero=True)
+        if self.purge_moments and self.gate == "reverse":
+            raise ValueError("config: ProjCfg.purge_moments needs gate in ['one_sided', 'no_gate'], "
+                             "got 'reverse'")
+        if not 0.0 <= self.drop_bottom_frac < 1.0:
+            raise ValueError(f"config: ProjCfg.drop_bottom_frac={self.drop_bottom_frac!r} must be in [0, 1)")
+
+
+@dataclass(frozen=True)
+class OptimCfg:
+    lr: float = 1e-2
+    """peak AdamW learning rate for the knobs"""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2)"""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay on the knobs"""
+    eps: float = 1e-8
+    """AdamW epsilon"""
+    warmup_steps: int = 0
+    """linear learning-rate warmup steps"""
+    min_lr_frac: float = 0.1
+    """cosine decay floor as a fraction of lr"""
+    clip_norm: float = 1.0
+    """global grad-norm clip over main and quarantine knobs (0 = no clipping)"""
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr", "eps")
+        _positive(self, "weight_decay", "warmup_steps", "clip_norm", allow_zero=True)
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"config: OptimCfg.betas={self.betas!r} must each be in [0, 1)")
+        if not 0.0 <= self.min_lr_frac <= 1.0:
+            raise ValueError(f"config: OptimCfg.min_lr_frac={self.min_lr_frac!r} must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class RunCfg:
+    steps: int = 4
+    """optimizer steps"""
+    seed: int = 0
+    """seed for model init, prompt order, pool draws and sampling"""
+    dir: str = ""
+    """run directory (empty = runs/<preset>-<arm>-s<seed>-<time>)"""
+    resume: bool = False
+    """continue from the latest checkpoint in `dir`"""
+    checkpoint_every: int = 2
+    """checkpoint every N steps (and always at the end)"""
+    eval_every: int = 0
+    """route: deploy-eval (greedy, quarantine ablated) every N steps (0 = never)"""
+    tensorboard: bool = False
+    """also write TensorBoard scalars (needs the `tb` extra)"""
+
+    def __post_init__(self) -> None:
+        _positive(self, "steps", "checkpoint_every")
+        _positive(self, "eval_every", allow_zero=True)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelCfg = field(default_factory=ModelCfg)
+    """policy model and knob adapter"""
+    env: EnvCfg = field(default_factory=EnvCfg)
+    """problems, grader and sandbox"""
+    rollout: RolloutCfg = field(default_factory=RolloutCfg)
+    """prompts, group size, student/teacher mix, sampling"""
+    pool: PoolCfg = field(default_factory=PoolCfg)
+    """teacher pool"""
+    loss: LossCfg = field(default_factory=LossCfg)
+    """advantages, clip surrogate, KL, teacher handling, zero-variance groups"""
+    proj: ProjCfg = field(default_factory=ProjCfg)
+    """hack direction and projection arm"""
+    optim: OptimCfg = field(default_factory=OptimCfg)
+    """AdamW, warmup + cosine, clipping"""
+    run: RunCfg = field(default_factory=RunCfg)
+    """steps, seed, run directory, checkpoints, logging"""
+
+    def __post_init__(self) -> None:
+        if self.model.source == "smoke" and self.env.problems != "builtin":
+            raise ValueError("config: model.source='smoke' only knows the built-in problems' vocabulary; "
+                             "set env.problems='builtin'")
+
+    def to_dict(self) -> dict:
+        """Plain JSON-able nested dict (tuples become lists)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, *, where: str = "config") -> Config:
+        """Inverse of `to_dict`; unknown sections or fields fail naming them and `where`."""
+        sections = {f.name: f.type for f in dataclasses.fields(cls)}
+        hints = typing.get_type_hints(cls)
+        unknown = set(d) - set(sections)
+        if unknown:
+            raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: {sorted(sections)}")
+        kwargs = {}
+        for name, sub in d.items():
+            sec_cls = hints[name]
+            sec_hints = typing.get_type_hints(sec_cls)
+            bad = set(sub) - set(sec_hints)
+            if bad:
+                raise ValueError(f"{where}: unknown field(s) {sorted(f'{name}.{b}' for b in bad)}; "
+                                 f"known: {sorted(sec_hints)}")
+            kwargs[name] = sec_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in sub.items()})
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str) -> Config:
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f), where=path)
+
+
+def replace(cfg: Config, **sections: dict) -> Config:
+    """`cfg` with some fields of some sections changed: `replace(cfg, run={"steps": 3})`."""
+    return dataclasses.replace(cfg, **{name: dataclasses.replace(getattr(cfg, name), **kw)
+                                       for name, kw in sections.items()})
+
+
+def diff(a: Config, b: Config, ignore: tuple[str, ...] = ()) -> list[str]:
+    """'section.field: a -> b' per field differing between a and b, except the dotted names in `ignore`."""
+    da, db = a.to_dict(), b.to_dict()
+    return [f"{s}.{k}: {da[s][k]!r} -> {db[s][k]!r}" for s in da for k in da[s]
+            if da[s][k] != db[s][k] and f"{s}.{k}" not in ignore]
+
+
+# --- presets: named values, not code paths ---------------------------------------------------------
+
+SMOKE = Config()
+
+# The embedded organism (issue 7 calibrates these; placeholders that run in about a minute on 2 cores).
+DEMO = Config(
+    model=ModelCfg(source="organism"),
+    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.25, max_new_tokens=96),
+    pool=PoolCfg(n_hack=2, n_clean=2, n_buggy=1),
+    optim=OptimCfg(lr=3e-2, betas=(0.5, 0.9), warmup_steps=2),
+    run=RunCfg(steps=40, checkpoint_every=10),
+)
+
+# The original study's Qwen3-4B settings (seed 002 and the project's README); model from --model.
+FAST = Config(
+    model=ModelCfg(source="hf", dtype="bfloat16", device="cuda"),
+    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.125, max_new_tokens=512, micro_prompts=1),
+    pool=PoolCfg(n_hack=2, n_clean=2),
+    optim=OptimCfg(lr=3e-3, betas=(0.5, 0.9), warmup_steps=3),
+    run=RunCfg(steps=60, checkpoint_every=20),
+)
+
+FULL = Config(
+    model=ModelCfg(source="hf", dtype="bfloat16", device="cuda"),
+    rollout=RolloutCfg(prompts_per_step=43, group_size=6, mix=0.125, max_new_tokens=1024, micro_prompts=1),
+    loss=LossCfg(beta=1e-3),
+    pool=PoolCfg(n_hack=2, n_clean=2),
+    optim=OptimCfg(lr=1e-3, betas=(0.5, 0.9), warmup_steps=10),
+    run=RunCfg(steps=200, checkpoint_every=25),
+)
+
+PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "fast": FAST, "full": FULL}
+
+
+# --- argv: projected-grpo train ------------------------------------------------------------------
+
+# shorthand flag -> (section, field) it sets; --preset / --config choose the starting Config
+SHORTHANDS = {"--preset": None, "--config": None, "--arm": ("proj", "arm"), "--run-dir": ("run", "dir"),
+              "--model": ("model", "path")}
+USAGE = (f"projected-grpo train --preset {{{','.join(PRESETS)}}} --arm {{none,erase,route}} [--run-dir DIR] "
+         "[--resume] [--model PATH] [--config FILE.json] [--section.field VALUE ...]")
+
+
+def from_argv(argv: list[str]) -> Config:
+    """Config from argv: a preset (or --config FILE.json), the shorthands above, then tyro overrides of any
+    field (`--rollout.group-size 8`; see --help). Raises ValueError naming a bad field or value."""
+    import tyro
+
+    got: dict[str, str] = {}
+    rest, resume, i = [], False, 0
+    while i < len(argv):
+        key, eq, val = argv[i].partition("=")
+        if key in SHORTHANDS:
+            if not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+                raise ValueError(f"{key} needs a value; usage: {USAGE}")
+            got[key], i = (val, i + 1) if eq else (argv[i + 1], i + 2)
+            continue
+        resume |= argv[i] == "--resume"
+        rest += [] if argv[i] == "--resume" else [argv[i]]
+        i += 1
+    preset = got.get("--preset", "smoke")
+    if preset not in PRESETS:
+        raise ValueError(f"--preset {preset!r} is not one of {list(PRESETS)}")
+    cfg = Config.from_json(got["--config"]) if "--config" in got else PRESETS[preset]
+    sections: dict[str, dict] = {"run": {"resume": True}} if resume else {}
+    for key, target in SHORTHANDS.items():
+        if target and key in got:
+            sections.setdefault(target[0], {})[target[1]] = got[key]
+    if "--model" in got:
+        sections["model"]["source"] = "hf"
+    cfg = replace(cfg, **sections)
+    return tyro.cli(Config, default=cfg, args=rest, prog="projected-grpo train", description=USAGE)

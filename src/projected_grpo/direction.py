@@ -1,0 +1,499 @@
+"""Hack-direction extraction (V_hack): per-module SVD of paired knob-gradient differences.
+
+The GRPO step on one perfectly labelled pair (adv_hack = +1, adv_clean = -1, no clip) is
+∇NLL(hack) − ∇NLL(clean) (seed 001), so per pair and label we take an isolated gradient of the
+completion NLL on the knobs, stack D = g_hack − g_clean (P × R) per module, and keep the top-k right
+singular vectors (top-k, not the mean difference: hacks are multi-modal, CHaRS, Abdullaev 2025),
+each oriented hack-ward by per-pair majority vote, because the projection's one-sided gate removes
+relu(V·g) and so needs +v to point hack-ward. Also: load-time post-processing (k_use, global noise
+floor), the `random` control (the pair-level controls are in pairs.py), safetensors storage with a
+checksum, and `resolve` (a cache keyed by model fingerprint, pairs hash and settings).
+Deliberately not here: applying V to training gradients (projection.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from projected_grpo.pairs import PAIR_CONTROLS, Pair, pairs_hash
+
+FORMAT = "projected-grpo/v_hack/1"
+# Axes whose singular value is below this fraction of S_0 span D's numerical null space: their
+# direction is arbitrary (P < K pairs, duplicated pairs), so they are never kept.
+RANK_RTOL = 1e-6
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    """What an extraction depends on besides the model and the pairs (all of it is the cache key)."""
+
+    k: int = 4
+    """top-k right singular vectors kept per module (fewer when P_train or R is smaller)"""
+    tau_axis: float = 0.0
+    """drop axis i when S_i / S_0 < tau_axis (0 keeps all)"""
+    n_heldout: int = 2
+    """the last n_heldout pairs are not used for the SVD; they give the held-out score"""
+    norm: Literal["mean", "constant"] = "mean"
+    """NLL normalisation: per-completion token mean (seed 001) or token sum / nll_const (dr_grpo)"""
+    nll_const: float = 1.0
+    """the constant denominator when norm == "constant" (dr_grpo: G * max_new_tokens * prompts per step)"""
+    control: Literal["none", "random", "shuffled", "nonhack"] = "none"
+    """negative control: random orthonormal V, labels swapped at random per pair, or clean-vs-clean pairs"""
+    seed: int = 0
+    """seed of the random and shuffled controls"""
+
+    def __post_init__(self):
+        if self.k < 1:
+            raise ValueError(f"ExtractSettings.k must be >= 1, got {self.k}")
+        if not 0.0 <= self.tau_axis <= 1.0:
+            raise ValueError(f"ExtractSettings.tau_axis must be in [0, 1], got {self.tau_axis}")
+        if self.n_heldout < 0:
+            raise ValueError(f"ExtractSettings.n_heldout must be >= 0, got {self.n_heldout}")
+        if self.norm not in NLL_NORMS:
+            raise ValueError(f"ExtractSettings.norm must be one of {sorted(NLL_NORMS)}, got {self.norm!r}")
+        if not self.nll_const > 0:
+            raise ValueError(f"ExtractSettings.nll_const must be > 0, got {self.nll_const}")
+        if self.control not in CONTROLS:
+            raise ValueError(f"ExtractSettings.control must be one of {sorted(CONTROLS)}, "
+                             f"got {self.control!r}")
+
+
+@dataclass
+class Direction:
+    """V_hack per module: V[name] (K, R) orthonormal rows, +v hack-ward; S[name] (K,) singular values,
+    descending; meta: str -> str (format, fingerprint, knob_kind, pairs_hash, settings and stats as JSON)."""
+
+    V: dict[str, Tensor]
+    S: dict[str, Tensor]
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stats(self) -> dict:
+        return json.loads(self.meta.get("stats", "{}"))
+
+
+# --- pure math ---------------------------------------------------------------------------------
+
+
+def top_directions(D: Tensor, k: int, tau_axis: float = 0.0) -> tuple[Tensor, Tensor, dict]:
+    """D (P, R) pair differences -> V (K, R), S (K,), stats; K <= min(k, P, R).
+
+    SVD in fp32; each axis oriented by per-pair majority vote: +v when at least as many rows of D have a
+    positive as a negative projection (ties -> +1; zero projections abstain). Majority vote rather than
+    sign of the mean is robust to a few outlier pairs (repeng convention, seed 001). Weak axes
+    (S_i / S_0 < tau_axis) are DROPPED, not zeroed: S is descending, so they are a suffix, V keeps
+    orthonormal rows and K counts only real axes. All-zero D gives K = 0.
+    """
+    if not torch.isfinite(D).all():
+        raise ValueError("top_directions: D has non-finite entries")
+    D = D.float()
+    _, S, Vh = torch.linalg.svd(D, full_matrices=False)  # S (min(P,R),), Vh (min(P,R), R)
+    K = min(k, S.numel())
+    V, S = Vh[:K], S[:K]
+    if K == 0 or S[0] <= 0:
+        return D.new_zeros((0, D.shape[1])), D.new_zeros((0,)), {"k_kept": 0, "votes_pos": []}
+    c = D @ V.T  # (P, K)
+    n_pos, n_neg = (c > 0).sum(0), (c < 0).sum(0)
+    sign = torch.where(n_pos >= n_neg, 1.0, -1.0)  # (K,)
+    V = V * sign[:, None]
+    keep = (S / S[0] >= tau_axis) & (S > RANK_RTOL * S[0])  # (K,) a prefix, S being descending
+    votes = torch.where(sign > 0, n_pos, n_neg)[keep]
+    return V[keep], S[keep], {"k_kept": int(keep.sum()), "votes_pos": [int(v) for v in votes]}
+
+
+def heldout_score(D_heldout: Tensor, v1: Tensor) -> float:
+    """Fraction of held-out pair differences D_heldout (H, R) with a positive projection on v1 (R,)."""
+    return float(((D_heldout.float() @ v1.float()) > 0).float().mean())
+
+
+def directions_from_grads(g_hack: dict[str, Tensor], g_clean: dict[str, Tensor], k: int, tau_axis: float = 0,
+                          n_heldout: int = 0) -> tuple[dict[str, Tensor], dict[str, Tensor], dict]:
+    """Per module g_hack[name], g_clean[name] (P, R) -> V (K, R), S (K,), stats.
+
+    The last n_heldout pairs are held out of the SVD; stats["heldout"][name] is their score on v1
+    (None when n_heldout = 0 or the module has no axis); stats["k_kept"][name] the number of axes kept.
+    """
+    if g_hack.keys() != g_clean.keys():
+        raise ValueError(f"directions_from_grads: modules differ: {sorted(g_hack.keys() ^ g_clean.keys())}")
+    if not g_hack:
+        raise ValueError("directions_from_grads: no modules")
+    P = {g.shape[0] for g in [*g_hack.values(), *g_clean.values()]}
+    if len(P) != 1:
+        raise ValueError(f"directions_from_grads: modules disagree on the number of pairs: {sorted(P)}")
+    P = P.pop()
+    if P - n_heldout < 1:
+        raise ValueError(f"directions_from_grads: {P} pairs with n_heldout={n_heldout} leaves none to fit")
+    V, S, stats = {}, {}, {"k_kept": {}, "heldout": {}, "votes_pos": {}, "n_train": P - n_heldout}
+    for name in g_hack:
+        D = g_hack[name].float() - g_clean[name].float()  # (P, R): pairing cancels prompt-specific gradient
+        V[name], S[name], st = top_directions(D[:P - n_heldout], k, tau_axis)
+        stats["k_kept"][name], stats["votes_pos"][name] = st["k_kept"], st["votes_pos"]
+        has = n_heldout > 0 and V[name].shape[0] > 0
+        stats["heldout"][name] = heldout_score(D[P - n_heldout:], V[name][0]) if has else None
+    return V, S, stats
+
+
+def postprocess(V: dict[str, Tensor], S: dict[str, Tensor], k_use: int | None = None,
+                drop_bottom_frac: float = 0.0) -> tuple[dict[str, Tensor], dict]:
+    """Load-time post-processing (seed 001): V[name] (K, R), S[name] (K,) -> V_used[name] (K', R), report.
+
+    Keeps the top k_use rows (None: all), then a global noise floor: the drop_bottom_frac quantile
+    (linear interpolation) of ALL modules' stored singular values pooled (before the k_use slice, so
+    the floor does not move with k_use); rows with S below it are dropped (a noisy module is not
+    protected by its own top axis), and modules left with no row are dropped. report: threshold,
+    dropped_rows per module, dropped_modules, kept_rows.
+    """
+    if not 0.0 <= drop_bottom_frac < 1.0:
+        raise ValueError(f"postprocess: drop_bottom_frac must be in [0, 1), got {drop_bottom_frac}")
+    if k_use is not None and k_use < 1:
+        raise ValueError(f"postprocess: k_use must be >= 1 or None, got {k_use}")
+    pooled = torch.cat([S[n].float() for n in sorted(S)]) if S else torch.zeros(0)
+    use_floor = drop_bottom_frac > 0 and pooled.numel() > 0
+    thresh = float(torch.quantile(pooled, drop_bottom_frac)) if use_floor else None
+    out, report = {}, {"threshold": thresh, "dropped_rows": {}, "dropped_modules": [], "kept_rows": 0}
+    for name in V:
+        Vn, Sn = V[name][:k_use], S[name][:k_use]
+        keep = Sn >= thresh if thresh is not None else torch.ones_like(Sn, dtype=torch.bool)
+        report["dropped_rows"][name] = int(V[name].shape[0] - keep.sum())
+        if keep.any():
+            out[name] = Vn[keep]
+            report["kept_rows"] += int(keep.sum())
+        else:
+            report["dropped_modules"].append(name)
+    return out, report
+
+
+def random_like(V: dict[str, Tensor], seed: int) -> dict[str, Tensor]:
+    """Control `random`: per module a random orthonormal (K, R) of the same shape as V[name] (seeded,
+    modules in sorted order). Rows are unit-norm like real V rows; S is kept by the caller."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name in sorted(V):
+        K, R = V[name].shape
+        Q, _ = torch.linalg.qr(torch.randn(R, K, generator=gen))  # (R, K) orthonormal columns
+        out[name] = Q.T.contiguous()
+    return {name: out[name] for name in V}
+
+
+def _same_V(V: dict[str, Tensor], seed: int) -> dict[str, Tensor]:
+    return V
+
+
+# control -> (pair transform before extraction, V transform after). `random` extracts from the real
+# pairs first so its shapes (K per module) and S (hence what the noise floor drops) match the real V.
+CONTROLS: dict[str, tuple[Callable, Callable[[dict[str, Tensor], int], dict[str, Tensor]]]] = {
+    "none": (PAIR_CONTROLS["none"], _same_V), "random": (PAIR_CONTROLS["none"], random_like),
+    "shuffled": (PAIR_CONTROLS["shuffled"], _same_V), "nonhack": (PAIR_CONTROLS["nonhack"], _same_V),
+}
+
+
+# --- gradients from a model --------------------------------------------------------------------
+
+
+def _nll_mean(logp: Tensor, mask: Tensor, const: float) -> Tensor:
+    return -(logp * mask).sum(-1) / mask.sum(-1)  # (N,) seed 001: length-normalised
+
+
+def _nll_constant(logp: Tensor, mask: Tensor, const: float) -> Tensor:
+    # Dr.GRPO (Liu et al. 2025): token sum / a constant, the metric the dr_grpo training loss uses, so
+    # V is not biased toward short completions as the per-completion mean is (seed 001 REVIEW note).
+    return -(logp * mask).sum(-1) / const  # (N,)
+
+
+NLL_NORMS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {"mean": _nll_mean,
+                                                                   "constant": _nll_constant}
+
+
+def encode_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int], list[int]]:
+    """(prompt_ids, hack_ids, clean_ids) as training encodes them (rollout.encode_prompt/encode_completion);
+    stored ids are used as they are; a text prompt is taken as already formatted (no special tokens)."""
+    from projected_grpo.rollout import encode_completion, encode_prompt
+
+    if pair.prompt_ids is not None:
+        prompt_ids = list(pair.prompt_ids)
+    elif isinstance(pair.prompt, str):
+        prompt_ids = [int(i) for i in tokenizer(pair.prompt, add_special_tokens=False)["input_ids"]]
+    else:
+        prompt_ids = encode_prompt(tokenizer, [dict(m) for m in pair.prompt])
+    hack = list(pair.hack_ids) if pair.hack_ids is not None else encode_completion(tokenizer, pair.hack)
+    clean = list(pair.clean_ids) if pair.clean_ids is not None else encode_completion(tokenizer, pair.clean)
+    return prompt_ids, hack, clean
+
+
+def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean",
+               nll_const: float = 1.0) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Per module knob gradients of the completion NLL: g_hack[name], g_clean[name] (P, R) fp32 CPU.
+
+    One isolated forward + `torch.autograd.grad` per pair and label on the main knobs (knobs.modules[n]
+    .delta), at whatever values the knobs hold (typically zero = the base model; not under
+    knobs.zeroed(), which takes them off the graph); .grad of every
+    parameter is left untouched, so this may run mid-training. Model in eval mode (no dropout) while
+    it runs. A non-finite loss raises naming the pair index and label; no pair is skipped.
+    """
+    from projected_grpo.rollout import forward_logprobs, pack
+
+    if not pairs:
+        raise ValueError("pair_grads: no pairs")
+    nll_fn = NLL_NORMS[norm]
+    names = list(knobs.modules)
+    params = [knobs.modules[n].delta for n in names]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    out: dict[str, dict[str, list[Tensor]]] = {lab: {n: [] for n in names} for lab in ("hack", "clean")}
+    was_training = model.training
+    model.eval()
+    try:
+        for i, pair in enumerate(pairs):
+            prompt_ids, hack_ids, clean_ids = encode_pair(tokenizer, pair)
+            for label, ids in (("hack", hack_ids), ("clean", clean_ids)):
+                batch = pack([prompt_ids], [ids], pad_id).to(device)
+                with torch.enable_grad():
+                    logp, _ = forward_logprobs(model, batch)  # (1, T)
+                    nll = nll_fn(logp.float(), batch.completion_mask, nll_const)[0]
+                    if not torch.isfinite(nll):
+                        raise FloatingPointError(f"pair {i} ({pair.source or 'no source'}), {label} "
+                                                 f"completion: NLL is {nll.item()}; fix or remove this pair")
+                    grads = torch.autograd.grad(nll, params, allow_unused=True)
+                for n, g in zip(names, grads):
+                    if g is None:
+                        raise RuntimeError(f"pair_grads: knob {n} is not on the graph (called under "
+                                           "knobs.zeroed()? zero the knob values instead)")
+                    out[label][n].append(g.detach().reshape(-1).float().cpu())
+    finally:
+        model.train(was_training)
+    g_hack, g_clean = ({n: torch.stack(v) for n, v in out[lab].items()} for lab in ("hack", "clean"))
+    return g_hack, g_clean
+
+
+def cache_meta(settings: ExtractSettings, knobs, pairs: Sequence[Pair]) -> dict[str, str]:
+    """The metadata an extraction is keyed by: format, model fingerprint, knob kind, pairs hash, settings."""
+    return {"format": FORMAT, "fingerprint": str(knobs.fingerprint()), "knob_kind": str(knobs.kind),
+            "pairs_hash": pairs_hash(pairs), "settings": json.dumps(asdict(settings), sort_keys=True)}
+
+
+def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSettings) -> Direction:
+    """V_hack from `pairs` under `settings` (control applied: pairs transformed first, V replaced after)."""
+    pair_control, v_control = CONTROLS[settings.control]
+    used = pair_control(pairs, settings.seed)
+    g_hack, g_clean = pair_grads(model, knobs, tokenizer, used, settings.norm, settings.nll_const)
+    V, S, stats = directions_from_grads(g_hack, g_clean, settings.k, settings.tau_axis, settings.n_heldout)
+    V = v_control(V, settings.seed)
+    stats["n_pairs"] = len(used)
+    return Direction(V, S, {**cache_meta(settings, knobs, pairs), "stats": json.dumps(stats, sort_keys=True)})
+
+
+# --- storage and cache -------------------------------------------------------------------------
+
+
+class DirectionFileError(ValueError):
+    """A V_hack file that cannot be trusted (unreadable, wrong format, checksum or shape mismatch)."""
+
+
+def _checksum(tensors: dict[str, Tensor], meta: dict[str, str]) -> str:
+    """sha256 over the metadata (all but the checksum itself) and every tensor's name, dtype, shape, bytes."""
+    body = {k: v for k, v in meta.items() if k != "checksum"}
+    h = hashlib.sha256(json.dumps(body, sort_keys=True).encode())
+    for key in sorted(tensors):
+        t = tensors[key].contiguous()
+        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_direction(path: str | pathlib.Path, d: Direction) -> None:
+    """Atomically write `d` as safetensors: `V/<module>` (K, R) and `S/<module>` (K,) fp32, plus d.meta
+    and a sha256 `checksum` of the tensors."""
+    path = pathlib.Path(path)
+    tensors = {f"V/{n}": d.V[n].detach().float().cpu().contiguous() for n in d.V}
+    tensors |= {f"S/{n}": d.S[n].detach().float().cpu().contiguous() for n in d.S}
+    meta = {**d.meta, "format": FORMAT}
+    meta["checksum"] = _checksum(tensors, meta)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        pathlib.Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_direction(path: str | pathlib.Path) -> Direction:
+    """Read and verify a V_hack file; anything untrustworthy raises DirectionFileError naming the file."""
+    path = pathlib.Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DirectionFileError(f"{path}: unreadable as safetensors ({e})") from e
+    if meta.get("format") != FORMAT:
+        raise DirectionFileError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("checksum") != _checksum(tensors, meta):
+        raise DirectionFileError(f"{path}: checksum mismatch (file modified or corrupted)")
+    V = {k[2:]: t for k, t in tensors.items() if k.startswith("V/")}
+    S = {k[2:]: t for k, t in tensors.items() if k.startswith("S/")}
+    if V.keys() != S.keys() or len(V) + len(S) != len(tensors):
+        raise DirectionFileError(f"{path}: tensors must be V/<module> and S/<module> pairs, "
+                                 f"got {sorted(tensors)}")
+    for n in V:
+        if V[n].ndim != 2 or S[n].shape != (V[n].shape[0],):
+            raise DirectionFileError(f"{path}: module {n}: V {tuple(V[n].shape)} and S {tuple(S[n].shape)} "
+                                     "do not match (expected (K, R) and (K,))")
+        gram = V[n] @ V[n].T  # (K, K): rows must be orthonormal for the projection to be exact
+        if not torch.allclose(gram, torch.eye(V[n].shape[0]), atol=1e-4):
+            raise DirectionFileError(f"{path}: module {n}: rows of V are not orthonormal")
+    return Direction(V, S, meta)
+
+
+def _meta_diff(have: dict[str, str], want: dict[str, str]) -> list[str]:
+    """Human-readable differences between cached and wanted metadata (settings field by field)."""
+    out = []
+    for k, v in want.items():
+        if have.get(k) == v:
+            continue
+        if k == "settings" and k in have:
+            a, b = json.loads(have[k]), json.loads(v)
+            out += [f"settings.{f}: cached {a.get(f)!r} != wanted {b[f]!r}" for f in b if a.get(f) != b[f]]
+        else:
+            out.append(f"{k}: cached {have.get(k)!r} != wanted {v!r}")
+    return out
+
+
+def resolve(path: str | pathlib.Path, settings: ExtractSettings, model, knobs, tokenizer, pairs: list[Pair],
+            *, extract: Callable[..., Direction] = extract_direction) -> tuple[Direction, str]:
+    """Cached V_hack: (direction, status) with status "hit", "miss", "mismatch: ..." or "corrupt: ...".
+
+    hit: the file's metadata equals cache_meta(settings, knobs, pairs) and the file verifies. miss: no
+    file. Mismatch (another model, knob kind, pairs or settings) and a corrupt file are re-extracted
+    and overwritten, with a warning saying why; a wrong V is never returned.
+    """
+    path = pathlib.Path(path)
+    want = cache_meta(settings, knobs, pairs)
+    status = "miss"
+    if path.exists():
+        try:
+            d = load_direction(path)
+        except DirectionFileError as e:
+            status = f"corrupt: {e}"
+        else:
+            diff = _meta_diff(d.meta, want)
+            if not diff:
+                return d, "hit"
+            status = "mismatch: " + "; ".join(diff)
+        warnings.warn(f"V_hack cache {path}: {status}; re-extracting", stacklevel=2)
+    d = extract(model, knobs, tokenizer, pairs, settings)
+    save_direction(path, d)
+    return d, status
+
+
+# --- CLI: projected-grpo extract-direction ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExtractOpts:
+    """Extract V_hack and print per-module kept axes, singular values and held-out scores."""
+
+    settings: ExtractSettings = ExtractSettings()
+    preset: Literal["smoke"] | None = None
+    """smoke: a tiny random model and tokenizer (organism.smoke_model_and_tokenizer), CPU, seconds"""
+    model: str | None = None
+    """a local Hugging Face model directory (used instead of --preset)"""
+    knob: Literal["svd", "lora"] = "svd"
+    """knob adapter kind the direction lives in"""
+    pairs: str | None = None
+    """a .json/.jsonl pairs file (keys prompt, hack, clean); default: the built-in pairs"""
+    pool: str | None = None
+    """a graded teacher-pool JSONL to mine pairs from (with --known-modes) instead of --pairs"""
+    known_modes: tuple[str, ...] = ()
+    """pool mining: the loophole modes whose detectors may label hacks (leave-one-mode-out)"""
+    detectors: tuple[str, ...] = ("E",)
+    """pool mining: a row is a hack when any of these detectors fires (E, C, D)"""
+    per_problem: int = 2
+    """built-in / pool pairs per problem"""
+    k_use: int | None = None
+    """post-processing: keep the top k_use rows per module"""
+    drop_bottom_frac: float = 0.0
+    """post-processing: global noise floor quantile over all modules' singular values"""
+    out: str | None = None
+    """save (and reuse when it matches) the direction at this .safetensors path"""
+    device: str = "cpu"
+    """torch device for the model"""
+
+
+def _load_pairs(opts: ExtractOpts) -> list[Pair]:
+    from projected_grpo.pairs import builtin_pairs, load_pairs_file, load_pool_rows, pairs_from_pool
+
+    if opts.pairs and opts.pool:
+        raise SystemExit("extract-direction: give --pairs or --pool, not both")
+    if opts.pairs:
+        return load_pairs_file(opts.pairs)
+    if opts.pool:
+        rows = load_pool_rows(opts.pool)
+        pairs, stats = pairs_from_pool(rows, opts.known_modes, opts.detectors, opts.per_problem)
+        print(f"pool pairs: {json.dumps(stats)}")
+        return pairs
+    return builtin_pairs(per_problem=opts.per_problem)
+
+
+def main(argv: list[str]) -> int:
+    """`projected-grpo extract-direction`: see ExtractOpts."""
+    import tyro
+
+    from projected_grpo.adapters import wrap
+
+    opts = tyro.cli(ExtractOpts, args=argv, prog="projected-grpo extract-direction",
+                    config=(tyro.conf.OmitArgPrefixes,))
+    if (opts.preset is None) == (opts.model is None):
+        raise SystemExit("extract-direction: give exactly one of --preset smoke or --model DIR")
+    if opts.preset == "smoke":
+        from projected_grpo.organism import smoke_model_and_tokenizer
+
+        model, tokenizer = smoke_model_and_tokenizer()
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(opts.model, local_files_only=True, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(opts.model, local_files_only=True)
+    model.to(opts.device)
+    knobs = wrap(model, kind=opts.knob)
+    pairs = _load_pairs(opts)
+    s = opts.settings
+    if opts.out:
+        d, status = resolve(opts.out, s, model, knobs, tokenizer, pairs)
+        print(f"cache {opts.out}: {status}")
+    else:
+        d = extract_direction(model, knobs, tokenizer, pairs, s)
+    stats = d.stats
+    print(f"V_hack: {stats['n_pairs']} pairs ({stats['n_train']} fit, {s.n_heldout} held out), k={s.k}, "
+          f"tau_axis={s.tau_axis}, norm={s.norm}, control={s.control}, knob={opts.knob}")
+    width = max(len(n) for n in d.V)
+    print(f"{'module':<{width}}  K  heldout  S")
+    for n in d.V:
+        h = stats["heldout"][n]
+        sv = " ".join(f"{x:.3g}" for x in d.S[n].tolist())
+        print(f"{n:<{width}}  {d.V[n].shape[0]}  {'n/a' if h is None else f'{h:.2f}':>7}  {sv}")
+    scores = [h for h in stats["heldout"].values() if h is not None]
+    if scores:
+        print(f"held-out score (v1, mean over {len(scores)} modules): {sum(scores) / len(scores):.3f}")
+    if opts.k_use is not None or opts.drop_bottom_frac > 0:
+        V_used, report = postprocess(d.V, d.S, opts.k_use, opts.drop_bottom_frac)
+        print(f"post-processing (k_use={opts.k_use}, drop_bottom_frac={opts.drop_bottom_frac}): "
+              f"{report['kept_rows']} rows kept in {len(V_used)} modules; threshold={report['threshold']}; "
+              f"dropped rows {sum(report['dropped_rows'].values())}; "
+              f"dropped modules {report['dropped_modules']}")
+    return 0

@@ -1,0 +1,402 @@
+"""Fork-server worker of the sandbox: one long-lived process forks one fresh child per execution.
+
+Started by `sandbox.SandboxPool` as `python -s -P path/to/sandbox_worker.py CONFIG_JSON` (stdlib only, so
+no package `__init__` can bloat the template). It
+imports the modules programs commonly use once, isolates itself (network/mount namespaces, see the
+threat model in sandbox.py), then loops: read a request (length-prefixed JSON on fd `proto_in`), fork
+a child from this clean template, drop the child's privileges and run the program in it, kill every
+process the execution left, reply with the result (length-prefixed JSON on fd `proto_out`). The
+worker itself never runs untrusted code, so nothing a program does persists into the next execution.
+"""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import ctypes
+import gc
+import importlib
+import io
+import json
+import math
+import os
+import random
+import resource
+import selectors
+import shutil
+import signal
+import stat
+import struct
+import sys
+import tempfile
+import threading
+import time
+import traceback
+
+# Imported once in the worker (see main) so that forked children import nothing: what LeetCode-style
+# setup code and solutions use.
+PRELOAD = ("abc", "array", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal", "enum",
+           "fractions", "functools", "heapq", "itertools", "operator", "re", "statistics", "string",
+           "textwrap", "typing")
+
+_libc = ctypes.CDLL(None, use_errno=True)
+CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+UID_BASE = 1_900_000_000  # + worker pid: a uid no other live worker (or real user) has
+SYSTEM_TOPS = {"/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/dev",
+               "/tmp", "/var", "/run", "/"}
+MEMORY_TAG = b"M"
+_exit = os._exit
+
+
+def _check(ret: int, what: str) -> None:
+    if ret != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(src: str, dst: str, fstype: str | None, flags: int, data: str | None = None) -> None:
+    _check(_libc.mount(src.encode(), dst.encode(), fstype.encode() if fstype else None, flags,
+                       data.encode() if data else None), f"mount {src} on {dst}")
+
+
+def _isolate(hide: list[str], keep: list[str], enabled: bool) -> dict[str, bool]:
+    """Put this worker in its own network and mount namespaces (root only); report what worked.
+
+    Network: a fresh namespace has only `lo`, and it is down, so no connection (loopback included) can
+    be made. Mounts: private tmpfs over /tmp, /var/tmp, /dev/shm (the only world-writable places) and
+    over each directory in `hide` (the repo's top dir, /root, /home), with the `keep` directories (the
+    Python installation) bind-mounted back at their own paths; /proc remounted with hidepid=2 so that
+    programs see only their own processes.
+    """
+    got = {"netns": False, "mountns": False, "hidepid": False, "uid_drop": enabled and os.geteuid() == 0}
+    if not got["uid_drop"]:
+        return got
+    got["netns"] = _libc.unshare(CLONE_NEWNET) == 0
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        return got
+    _mount("none", "/", None, MS_REC | MS_PRIVATE)
+    keep_fds = {k: os.open(k, os.O_RDONLY | os.O_DIRECTORY) for k in keep if os.path.isdir(k)}
+    for d in hide:
+        if os.path.isdir(d):
+            _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    for k, fd in keep_fds.items():
+        if any(k == d or k.startswith(d + "/") for d in hide):
+            os.makedirs(k, mode=0o755, exist_ok=True)
+            _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
+        os.close(fd)
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,nr_inodes=4096,mode=0711")
+    for d in ("/var/tmp", "/dev/shm"):
+        if os.path.isdir(d):
+            _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=1m,mode=0755")
+    got["mountns"] = True
+    got["hidepid"] = _libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                                 b"hidepid=2") == 0
+    return got
+
+
+def _exit_code(code: object) -> int:
+    """Exit status of `sys.exit(code)` as CPython computes it (None -> 0, int -> low byte, else 1)."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF if -(1 << 63) <= code < (1 << 63) else 255
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _confine(scratch: str, uid: int, limits: dict, timeout_s: float, fds: tuple) -> None:
+    """In the forked child, before any untrusted code: own session, stdio, rlimits, uid, env, cwd."""
+    out_w, err_w, tag_w = fds
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.dup2(out_w, 1)
+    os.dup2(err_w, 2)
+    os.dup2(tag_w, 3)
+    os.closerange(4, 1 << 16)  # the worker's protocol pipes among them
+    cpu = math.ceil(timeout_s) + 1
+    for res, val in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_CORE, (0, 0)),
+                     (resource.RLIMIT_AS, (limits["memory_bytes"],) * 2),
+                     (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2)):
+        resource.setrlimit(res, val)
+    if uid:
+        resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
+    os.chdir(scratch)
+    os.environ.clear()
+    os.environ.update(PATH="/usr/local/bin:/usr/bin:/bin", HOME=scratch, TMPDIR=scratch,
+                      LANG="C.UTF-8", PYTHONHASHSEED="0")
+    sys.argv = ["main.py"]
+    random.seed()  # a fresh interpreter seeds from urandom; the fork would otherwise share state
+
+
+def _run_main(code: str) -> int:
+    """Run `code` as `python main.py` would and return its exit status (CPython's rules)."""
+    status = 0
+    try:
+        exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py",
+                                                "__builtins__": builtins})
+    except SystemExit as e:
+        status = _exit_code(e.code)
+    except BaseException as e:
+        status = 1
+        if isinstance(e, MemoryError):
+            try:
+                os.write(3, MEMORY_TAG)
+            except OSError:
+                pass  # the program closed fd 3: reported as a plain error
+        try:  # as CPython prints it: without this wrapper's own frame
+            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        except BaseException:
+            pass  # stderr closed, or no memory left to format the traceback
+    try:
+        threading._shutdown()  # as at interpreter exit: wait for non-daemon threads, then atexit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        pass  # stdio closed or broken by the program: the exit status already says what happened
+    return status
+
+
+def _child(code: str, scratch: str, uid: int, limits: dict, timeout_s: float, fds: tuple) -> None:
+    """The forked child: confine, run, exit. Never returns into the worker's loop, whatever happens."""
+    status = 120  # confinement failed: reported as an error, with the traceback on stderr
+    try:
+        _confine(scratch, uid, limits, timeout_s, fds)
+        with open("main.py", "w", encoding="utf-8", errors="surrogateescape") as f:
+            f.write(code)  # for tracebacks and programs that read their own source
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"],) * 2)  # after main.py: any size
+        status = _run_main(code)
+    except BaseException:
+        try:
+            traceback.print_exc()
+        except BaseException:
+            pass  # stderr unusable
+    finally:
+        _exit(status)  # bound at import: a program that replaces os._exit cannot make this return
+
+
+def _children() -> list[int]:
+    """Live and zombie children of this (subreaper) worker: every leftover process of an execution."""
+    with open(f"/proc/self/task/{os.getpid()}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def _sweep(uid: int) -> None:
+    """SIGKILL every process of the execution and reap them all.
+
+    With a per-worker uid, one `kill(-1)` from a helper running as that uid reaches exactly the
+    execution's processes, whatever session or group they moved to; the kernel holds the task list
+    for the whole pass, so a fork bomb cannot add a process behind it. Orphans reparent to this
+    subreaper worker, so reaping until ECHILD leaves nothing behind. Without root, the subreaper's
+    children are killed until none is left (processes reparent to us as their parents die).
+    """
+    if uid:
+        helper = os.fork()
+        if helper == 0:
+            try:
+                os.setresuid(uid, uid, uid)
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+        while True:
+            try:
+                os.waitpid(-1, 0)
+            except ChildProcessError:
+                return
+    while kids := _children():
+        for pid in kids:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+        time.sleep(0.001)
+
+
+def _read_files(scratch: str, uid: int, limits: dict) -> dict[str, str]:
+    """Regular files the program left in its scratch dir (not main.py), capped in count and size.
+
+    Opened with O_NOFOLLOW and checked to be owned by the program's uid, so a symlink or hard link to a
+    host file cannot make this (root) worker read it.
+    """
+    found = []
+    for root, dirs, names in os.walk(scratch):
+        dirs.sort()
+        found += sorted(os.path.relpath(os.path.join(root, n), scratch) for n in names)
+    files = {}
+    for rel in [r for r in found if r != "main.py"][: limits["max_files"]]:
+        try:
+            fd = os.open(os.path.join(scratch, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and (not uid or st.st_uid == uid):
+                files[rel] = f.read(limits["output_bytes"]).decode("utf-8", "replace")
+    return files
+
+
+def run_one(code: str, timeout_s: float, n: int, uid: int, limits: dict) -> dict:
+    """Run one program in a fresh child with a fresh scratch dir; return the result fields."""
+    scratch = os.path.join(limits["scratch_root"], f"x{n}")
+    os.mkdir(scratch, 0o700)
+    if uid:
+        os.chown(scratch, uid, uid)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    tag_r, tag_w = os.pipe()
+    t0 = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        _child(code, scratch, uid, limits, timeout_s, (out_w, err_w, tag_w))
+    for fd in (out_w, err_w, tag_w):
+        os.close(fd)
+    cap = limits["output_bytes"]
+    bufs = {out_r: bytearray(), err_r: bytearray(), tag_r: bytearray()}
+    pidfd = os.pidfd_open(pid)
+    sel = selectors.DefaultSelector()
+    for fd in (*bufs, pidfd):
+        sel.register(fd, selectors.EVENT_READ)
+
+    def drain(fd: int) -> None:
+        data = os.read(fd, 1 << 16)
+        if not data:
+            sel.unregister(fd)
+        elif len(bufs[fd]) < cap:  # beyond the cap: keep reading so the writer never blocks, discard
+            bufs[fd] += data[: cap - len(bufs[fd])]
+
+    deadline, wait_status, timed_out = t0 + timeout_s, None, False
+    while wait_status is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            timed_out = True
+            break
+        for key, _ in sel.select(left):
+            if key.fd == pidfd:
+                wait_status = os.waitpid(pid, 0)[1]
+            else:
+                drain(key.fd)
+    duration = time.monotonic() - t0
+    sel.unregister(pidfd)
+    if timed_out or _children():
+        _sweep(uid)
+        if wait_status is None:
+            wait_status = 9  # the sweep reaped it: it was still running at the deadline
+    while sel.get_map():  # every writer is dead now, so this reaches EOF on each pipe
+        for key, _ in sel.select():
+            drain(key.fd)
+    sel.close()
+    for fd in (*bufs, pidfd):
+        os.close(fd)
+    files = _read_files(scratch, uid, limits)
+    shutil.rmtree(scratch)
+    sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else 0
+    exit_code = -sig if sig else os.WEXITSTATUS(wait_status)
+    if timed_out or sig == signal.SIGXCPU:  # SIGXCPU: RLIMIT_CPU, reached early by busy threads
+        status = "timeout"
+    elif bufs[tag_r] == MEMORY_TAG:
+        status = "memory"
+    elif sig:
+        status = "killed"
+    else:
+        status = "ok" if exit_code == 0 else "error"
+    return {"status": status, "exit_code": None if timed_out else exit_code,
+            "stdout": bufs[out_r].decode("utf-8", "replace"),
+            "stderr": bufs[err_r].decode("utf-8", "replace"), "files": files, "duration_s": duration}
+
+
+WARMUP = """
+from typing import *
+from collections import *
+class Solution:
+    def f(self, nums: List[int]) -> int:
+        return sum(x * x for x in nums if x % 2) + len([c for c in f"{nums!r}"]) + max(nums, key=abs)
+assert Solution().f([1, 2, 3]) == 22, "message"
+def g():
+    raise ValueError("warm")
+"""
+
+
+def _warm_up() -> None:
+    """Do once here what every child would otherwise do first, at a cost of ~10 ms per fork: imports,
+    the first compile() (lazy parser setup) and the first traceback (linecache, formatting)."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    ns: dict = {"__name__": "__warmup__"}
+    exec(compile(WARMUP, "<warmup>", "exec"), ns)
+    try:
+        ns["g"]()
+    except ValueError as e:
+        traceback.print_exception(type(e), e, e.__traceback__, file=io.StringIO())
+    gc.freeze()  # the template's objects are never scanned by a child's GC, so never copied-on-write
+
+
+def _read_msg(fd: int) -> dict | None:
+    head = b""
+    while len(head) < 4:
+        chunk = os.read(fd, 4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    (size,) = struct.unpack("<I", head)
+    body = bytearray()
+    while len(body) < size:
+        chunk = os.read(fd, size - len(body))
+        if not chunk:
+            return None
+        body += chunk
+    return json.loads(body)
+
+
+def write_msg(fd: int, msg: dict) -> None:
+    data = json.dumps(msg).encode()
+    view = memoryview(struct.pack("<I", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def main() -> None:
+    limits = json.loads(sys.argv[1])
+    proto_in, proto_out = os.dup(0), os.dup(1)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(devnull, 1)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    keep = sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))})
+    hide = sorted({"/root", "/home"} | {"/" + p.split("/")[1] for p in limits["hide"]} - SYSTEM_TOPS)
+    _warm_up()
+    isolation = _isolate(hide, keep, limits["isolate"])
+    uid = UID_BASE + os.getpid() if isolation["uid_drop"] else 0
+    limits["scratch_root"] = "/tmp" if isolation["mountns"] else tempfile.mkdtemp(prefix="pgrpo-sandbox-")
+    os.chmod(limits["scratch_root"], 0o711)  # the program's uid may enter its own dir, not list others
+    write_msg(proto_out, {"ready": True, "isolation": isolation, "scratch_root": limits["scratch_root"]})
+    n = 0
+    try:
+        while (req := _read_msg(proto_in)) is not None:
+            n += 1
+            write_msg(proto_out, run_one(req["code"], req["timeout_s"], n, uid, limits))
+    finally:
+        if not isolation["mountns"]:
+            shutil.rmtree(limits["scratch_root"], ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

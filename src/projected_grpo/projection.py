@@ -1,0 +1,195 @@
+"""Gradient (and optimizer-update) projection away from the hack directions V_hack.
+
+`project` is the pure math on one module's knob vector: c = V·g; a gate picks how much of each
+direction to remove (one_sided relu(c), no_gate c, reverse 2c), `overshoot` scales the removal,
+`preserve_magnitude` rescales the result to ‖g‖. The formulas assume V's rows are orthonormal
+(extraction gives right singular vectors; rows zeroed by τ_axis simply remove nothing).
+`apply_arm` applies it to every wrapped module's gradient for the arms none / erase / route;
+`project_update` and `purge_moments` are the AdamW bypass fix (SPEC §3): projecting the gradient
+does not stop Adam's moments and per-coordinate scaling from moving the knobs hack-ward, so the
+update itself can be projected, and its hack-ward fraction `proj/cout_update` is logged in every mode.
+Diagnostics use relu-before-aggregation: cin = ‖relu(V·g)‖/‖g‖ per module, and over modules
+sqrt(Σ‖relu(V_m·g_m)‖²)/sqrt(Σ‖g_m‖²) (modules without V are left out of both sums).
+"""
+
+from __future__ import annotations
+
+import torch
+
+GATES = {  # c (K,) -> coefficients of V's rows to remove
+    "one_sided": torch.relu,  # remove only hack-ward components (c > 0)
+    "no_gate": lambda c: c,  # remove the whole span(V) component
+    "reverse": lambda c: 2 * c,  # reflect: flips the sign of V·g
+}
+
+
+def _fraction(num_sq: torch.Tensor, den_sq: torch.Tensor) -> torch.Tensor:
+    return torch.where(den_sq > 0, num_sq.sqrt() / den_sq.clamp_min(1e-38).sqrt(), torch.zeros_like(den_sq))
+
+
+def hackward_sq(g: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    """‖relu(V·g)‖² for g (R,), V (K,R) -> scalar (0 when K = 0)."""
+    return torch.relu(V @ g).square().sum()
+
+
+def project(g: torch.Tensor, V: torch.Tensor, gate: str = "one_sided", overshoot: float = 0.0,
+            preserve_magnitude: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Remove the gated span(V) component of g.
+
+    g (R,), V (K,R) with orthonormal (or zero) rows, K may be 0; V is cast to g's device/dtype (move
+    V_hack to the device once, up front, to avoid a copy per call). Returns g_proj (R,), removed (R,)
+    = (1+overshoot)·gate(V·g)·V ∈ span(V), and detached stats: cin = ‖relu(V·g)‖/‖g‖, cout likewise
+    for g_proj (0 for a zero vector), fired (1. if anything was removed), plus the squared sums
+    (in_sq, g_sq, out_sq, gp_sq) that `apply_arm` aggregates over modules.
+    g_proj = g - removed, unless preserve_magnitude, which rescales it to ‖g‖ (then g_proj + removed ≠ g).
+    """
+    if V.dim() != 2 or g.dim() != 1 or V.shape[1] != g.shape[0]:
+        raise ValueError(f"project: need g (R,) and V (K,R); got g {tuple(g.shape)}, V {tuple(V.shape)}")
+    if gate not in GATES:
+        raise ValueError(f"unknown gate {gate!r}; choose one of {sorted(GATES)}")
+    V = V.to(g)
+    c = V @ g  # (K,)
+    removed = ((1.0 + overshoot) * GATES[gate](c)) @ V  # (R,)
+    g_proj = g - removed
+    # g entirely inside span(V): what is left is rounding noise; call it 0 so that cout and the
+    # magnitude rescale are not computed on noise
+    g_proj = torch.where(g_proj.norm() <= 64 * torch.finfo(g.dtype).eps * g.norm(), 0.0, g_proj)
+    if preserve_magnitude:
+        n_proj = g_proj.norm()
+        g_proj = torch.where(n_proj > 0, g_proj * (g.norm() / n_proj.clamp_min(1e-38)), g_proj)
+    in_sq, g_sq = hackward_sq(g, V), g.square().sum()
+    out_sq, gp_sq = hackward_sq(g_proj, V), g_proj.square().sum()
+    stats = {"cin": _fraction(in_sq, g_sq), "cout": _fraction(out_sq, gp_sq),
+             "fired": (removed.abs().sum() > 0).float(), "in_sq": in_sq, "g_sq": g_sq,
+             "out_sq": out_sq, "gp_sq": gp_sq}
+    return g_proj, removed, {k: v.detach() for k, v in stats.items()}
+
+
+# What each arm writes, given a module's grads. none: measure only; erase: projected gradient, the
+# quarantine grad untouched; route: projected gradient, and `removed` added to the quarantine grad
+# (gradient routing: the quarantine knob learns the hack-ward part, and is zeroed at deployment).
+def _write_none(p_main, p_hack, g_proj, removed):
+    return
+
+
+def _write_erase(p_main, p_hack, g_proj, removed):
+    p_main.grad = g_proj.reshape(p_main.shape).to(p_main).clone()
+
+
+def _write_route(p_main, p_hack, g_proj, removed):
+    _write_erase(p_main, p_hack, g_proj, removed)
+    r = removed.reshape(p_hack.shape).to(p_hack)
+    p_hack.grad = r.clone() if p_hack.grad is None else p_hack.grad + r
+
+
+ARMS = {"none": _write_none, "erase": _write_erase, "route": _write_route}
+
+
+def _aggregate(per_module: list[dict[str, torch.Tensor]], n_modules: int, prefix: str,
+               suffix: str = "") -> dict[str, torch.Tensor]:
+    if not per_module:
+        z = torch.zeros(())
+        return {f"{prefix}cin{suffix}": z, f"{prefix}cout{suffix}": z, f"{prefix}fired_frac{suffix}": z}
+    tot = {k: torch.stack([s[k].float() for s in per_module]).sum().cpu() for k in per_module[0]}
+    return {f"{prefix}cin{suffix}": _fraction(tot["in_sq"], tot["g_sq"]),
+            f"{prefix}cout{suffix}": _fraction(tot["out_sq"], tot["gp_sq"]),
+            f"{prefix}fired_frac{suffix}": tot["fired"] / n_modules}
+
+
+def apply_arm(knobs, V_hack: dict[str, torch.Tensor], arm: str = "erase", gate: str = "one_sided",
+              overshoot: float = 0.0, preserve_magnitude: bool = False,
+              split=None) -> dict[str, torch.Tensor]:
+    """Project every wrapped module's main-knob .grad with its V_hack[name] (K,R) and write per `arm`.
+
+    Call after backward, before clipping and optimizer.step(). Modules absent from V_hack are skipped
+    and counted (`proj/skipped`). Returns detached stats: proj/cin, proj/cout (of the gradient that
+    stays on the main knob: under `none` cout = cin), proj/fired_frac (modules where the projection
+    removed or would remove something / all wrapped modules), proj/norm_removed, and, if `split`
+    (a `Capture` with g_student, g_teacher) is given, proj/cin_student and proj/cin_teacher.
+    """
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose one of {sorted(ARMS)}")
+    grads = knobs.grads("main")
+    per_module, removed_sq, skipped = [], [], 0
+    for name, m in knobs.modules.items():
+        if name not in V_hack:
+            skipped += 1
+            continue
+        g = grads[name].float()
+        g_proj, removed, st = project(g, V_hack[name], gate, overshoot, preserve_magnitude)
+        ARMS[arm](m.delta, m.delta_hack, g_proj, removed)
+        if arm == "none":  # the gradient is unchanged, so the "after" numbers equal the "before" ones
+            st = {**st, "out_sq": st["in_sq"], "gp_sq": st["g_sq"]}
+        per_module.append(st)
+        removed_sq.append(removed.detach().float().square().sum())
+    n = len(knobs.modules)
+    stats = _aggregate(per_module, n, "proj/")
+    stats["proj/norm_removed"] = torch.stack(removed_sq).sum().sqrt().cpu() if removed_sq else torch.zeros(())
+    stats["proj/skipped"] = torch.tensor(float(skipped))
+    if split is not None:
+        for src, gs in (("student", split.g_student), ("teacher", split.g_teacher)):
+            num = sum((hackward_sq(gs[n].float(), V_hack[n].to(gs[n].device)).cpu()
+                       for n in gs if n in V_hack), torch.zeros(()))
+            den = sum((gs[n].float().square().sum().cpu() for n in gs if n in V_hack), torch.zeros(()))
+            stats[f"proj/cin_{src}"] = _fraction(num, den)
+    return stats
+
+
+def snapshot(knobs) -> dict[str, torch.Tensor]:
+    """Copies of the main knob values, name -> (R,); take right before optimizer.step()."""
+    return {n: v.clone() for n, v in knobs.values("main").items()}
+
+
+def project_update(knobs, before: dict[str, torch.Tensor], V_hack: dict[str, torch.Tensor],
+                   arm: str = "none", gate: str = "one_sided", overshoot: float = 0.0,
+                   preserve_magnitude: bool = False) -> dict[str, torch.Tensor]:
+    """Project the optimizer's actual update Δ = after − before of each main knob (after step()).
+
+    Sign: V points hack-ward in *gradient* space and the optimizer descends, so the hack-ward part of
+    an update Δ is the V-component of −Δ; we project u = −Δ with `project` and write Δ' = −u_proj.
+    arm none: measure only; erase: knob = before + Δ'; route: also quarantine knob += Δ − Δ' (the
+    removed, hack-ward motion). Returns proj/cin_update, proj/cout_update (hack-ward fraction
+    ‖relu(V·(−Δ'))‖/‖Δ'‖ of the update that stays, = cin_update under none), proj/fired_frac_update.
+    Call with arm="none" when only gradient projection is on, so cout_update is logged in every mode.
+    """
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose one of {sorted(ARMS)}")
+    after, hack = knobs.values("main"), knobs.values("hack")
+    per_module = []
+    for name in knobs.modules:
+        if name not in V_hack:
+            continue
+        delta = after[name].float() - before[name].float()
+        u_proj, removed_u, st = project(-delta, V_hack[name], gate, overshoot, preserve_magnitude)
+        if arm == "none":
+            st = {**st, "out_sq": st["in_sq"], "gp_sq": st["g_sq"]}
+        else:
+            new = before[name].float() - u_proj
+            if arm == "route":
+                hack[name].add_((after[name].float() - new).to(hack[name]))
+            after[name].copy_(new.to(after[name]))
+        per_module.append(st)
+    return _aggregate(per_module, len(knobs.modules), "proj/", "_update")
+
+
+def purge_moments(optimizer: torch.optim.Optimizer, knobs, V_hack: dict[str, torch.Tensor],
+                  gate: str = "one_sided") -> dict[str, torch.Tensor]:
+    """Remove the gated span(V) component of AdamW's first moment exp_avg of every main knob.
+
+    exp_avg_sq is left as it is: it is a per-coordinate scale (always ≥ 0), not a direction, so it
+    cannot move the knobs hack-ward by itself (the sign of each step comes from exp_avg). Because that
+    scaling is per coordinate, a purged exp_avg can still yield an update with a hack-ward part: use
+    `project_update` for the guarantee. gate: "one_sided" or "no_gate". Returns proj/purged_frac.
+    """
+    if gate not in ("one_sided", "no_gate"):
+        raise ValueError(f"purge gate must be 'one_sided' or 'no_gate', got {gate!r}")
+    purged = 0
+    for name, m in knobs.modules.items():
+        state = optimizer.state.get(m.delta, {})
+        if name not in V_hack or "exp_avg" not in state:
+            continue
+        ea = state["exp_avg"]
+        ea_proj, removed, _ = project(ea.reshape(-1).float(), V_hack[name], gate)
+        ea.copy_(ea_proj.reshape(ea.shape).to(ea))
+        purged += int(removed.abs().sum() > 0)
+    return {"proj/purged_frac": torch.tensor(purged / len(knobs.modules))}

@@ -1,0 +1,182 @@
+"""metrics.py: JSONL rows, finiteness, atomic truncate/rewrite, summary means, docs/metrics.md coverage."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import math
+import pathlib
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from projected_grpo.metrics import (
+    KNOWN_METRICS,
+    METRICS_FILE,
+    REQUIRED_METRICS,
+    MetricsLogger,
+    Progress,
+    read_rows,
+    summarize,
+    truncate_to,
+    undocumented,
+    write_json_atomic,
+)
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs" / "metrics.md"
+SPEC = REPO.parent / "shared" / "SPEC.md"
+
+
+def _doc_names() -> list[str]:
+    """Metric names in the first column of docs/metrics.md's table: lines like "| `name` | ... |"."""
+    return re.findall(r"^\| `([^`]+)` \|", DOCS.read_text(encoding="utf-8"), flags=re.M)
+
+
+# --- the documentation is the single definition place ------------------------------------------
+
+
+def test_docs_table_mirrors_known_metrics():
+    names = _doc_names()
+    assert len(names) == len(set(names)), "a metric is defined twice in docs/metrics.md"
+    assert set(names) == KNOWN_METRICS
+
+
+def test_spec_section_4_keys_are_documented():
+    assert set(REQUIRED_METRICS) <= set(_doc_names())
+    if not SPEC.is_file():
+        pytest.skip(f"{SPEC} not present")
+    section = SPEC.read_text(encoding="utf-8").split("## 4.")[1].split("\n## ")[0]
+    spec_keys = set(re.findall(r"`([a-z_]+/[a-z_]+)`", section))
+    assert spec_keys == set(REQUIRED_METRICS)
+
+
+def test_undocumented():
+    assert undocumented(["reward/mean", "zz/new", "proj/cin", "aa/x"]) == ["aa/x", "zz/new"]
+
+
+# --- writing rows ------------------------------------------------------------------------------
+
+
+def test_log_appends_one_json_row_per_step(tmp_path):
+    with MetricsLogger(tmp_path) as log:
+        out = log.log(0, {"reward/mean": torch.tensor(0.5), "hack/student": 1, "teacher/mode": "imitation"})
+        log.log(1, {"reward/mean": 0.25})
+    assert out == {"step": 0, "reward/mean": 0.5, "hack/student": 1.0, "teacher/mode": "imitation"}
+    lines = (tmp_path / METRICS_FILE).read_text().splitlines()
+    assert [json.loads(x) for x in lines] == [out, {"step": 1, "reward/mean": 0.25}]
+    assert read_rows(tmp_path / METRICS_FILE) == [out, {"step": 1, "reward/mean": 0.25}]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf"), torch.tensor(float("nan"))])
+def test_non_finite_value_is_rejected_naming_the_key(tmp_path, bad):
+    with MetricsLogger(tmp_path) as log:
+        with pytest.raises(ValueError, match=r"step 3: 'proj/cin' is .*finite"):
+            log.log(3, {"reward/mean": 0.1, "proj/cin": bad})
+    assert (tmp_path / METRICS_FILE).read_text() == ""  # nothing of the bad row was written
+
+
+def test_bad_types_and_step_key_are_rejected(tmp_path):
+    with MetricsLogger(tmp_path) as log:
+        with pytest.raises(TypeError, match="'kl/mean' = \\[1, 2\\] is not a number"):
+            log.log(0, {"kl/mean": [1, 2]})
+        with pytest.raises(ValueError, match="'step' is set by"):
+            log.log(0, {"step": 1})
+
+
+def test_tensorboard_missing_is_a_clear_error(tmp_path):
+    if importlib.util.find_spec("tensorboard") is not None:
+        with MetricsLogger(tmp_path, tensorboard=True) as log:
+            log.log(0, {"reward/mean": 1.0, "teacher/mode": "exclude"})
+        assert any((tmp_path / "tb").iterdir())
+    else:
+        with pytest.raises(ImportError, match=r"pip install 'projected-grpo\[tb\]'"):
+            MetricsLogger(tmp_path, tensorboard=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.dictionaries(st.sampled_from(sorted(REQUIRED_METRICS)),
+                                st.floats(allow_nan=False, allow_infinity=False, width=64)), max_size=6))
+def test_rows_round_trip(tmp_path_factory, rows):
+    d = tmp_path_factory.mktemp("rt")
+    with MetricsLogger(d) as log:
+        for i, r in enumerate(rows):
+            log.log(i, r)
+    assert read_rows(d / METRICS_FILE) == [{"step": i, **r} for i, r in enumerate(rows)]
+
+
+# --- resume: truncate_to -----------------------------------------------------------------------
+
+
+def test_truncate_to_drops_later_rows_and_a_cut_off_line(tmp_path):
+    with MetricsLogger(tmp_path) as log:
+        for s in range(5):
+            log.log(s, {"reward/mean": float(s)})
+    with open(tmp_path / METRICS_FILE, "a") as f:
+        f.write('{"step": 5, "rew')  # a write cut off by SIGKILL: no newline
+    assert truncate_to(tmp_path, 2) == 3  # steps 0, 1, 2 kept
+    assert [r["step"] for r in read_rows(tmp_path / METRICS_FILE)] == [0, 1, 2]
+    assert [p.name for p in tmp_path.iterdir()] == [METRICS_FILE]  # no temp file left behind
+    with MetricsLogger(tmp_path) as log:  # the resumed run appends after the kept rows
+        log.log(3, {"reward/mean": 30.0})
+    assert [r["step"] for r in read_rows(tmp_path / METRICS_FILE)] == [0, 1, 2, 3]
+    assert truncate_to(tmp_path / "nothing-here", 0) == 0
+
+
+def test_malformed_line_names_file_and_line(tmp_path):
+    (tmp_path / METRICS_FILE).write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    with pytest.raises(ValueError, match=rf"{METRICS_FILE}:2: not a JSON metrics row"):
+        read_rows(tmp_path / METRICS_FILE)
+    with pytest.raises(ValueError, match=rf"{METRICS_FILE}:2: not a JSON metrics row"):
+        truncate_to(tmp_path, 5)
+
+
+# --- summary -----------------------------------------------------------------------------------
+
+
+def test_summarize_last_five_by_hand():
+    rows = [{"step": s, "hack/student": s / 10, "proj/cin": 1.0} for s in range(8)]
+    rows[7]["proj/cout"] = 0.4
+    del rows[6]["proj/cin"]
+    out = summarize(rows[::-1])  # order of the input does not matter: the window is the last 5 steps
+    # last five steps 3..7: hack = (0.3 + 0.4 + 0.5 + 0.6 + 0.7) / 5 = 0.5
+    assert out["hack/student"] == pytest.approx(0.5)
+    assert out["proj/cin"] == 1.0  # mean over the 4 rows of the window that carry it
+    assert out["proj/cout"] == 0.4  # only step 7 has it
+    assert "solve/student" not in out  # no row has it
+    assert out["steps"] == 8 and out["last_step"] == 7
+    assert summarize(rows, last=2, keys=["hack/student"])["hack/student"] == pytest.approx(0.65)
+    with pytest.raises(ValueError, match="no metrics rows"):
+        summarize([])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=12), st.integers(1, 8))
+def test_summarize_is_the_mean_of_the_last_rows(vals, last):
+    rows = [{"step": i, "reward/mean": v} for i, v in enumerate(vals)]
+    tail = vals[-last:]
+    assert math.isclose(summarize(rows, last=last)["reward/mean"], sum(tail) / len(tail),
+                        rel_tol=1e-9, abs_tol=1e-6)
+
+
+def test_write_json_atomic(tmp_path):
+    path = tmp_path / "summary.json"
+    write_json_atomic(path, {"hack/student": 0.5})
+    assert json.loads(path.read_text()) == {"hack/student": 0.5}
+    with pytest.raises(ValueError):
+        write_json_atomic(path, {"hack/student": float("nan")})
+    assert json.loads(path.read_text()) == {"hack/student": 0.5}  # the old file survives a failed write
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+
+
+def test_progress_postfix_shows_reward_hack_cin():
+    out = io.StringIO()
+    bar = Progress(total=3, file=out)
+    bar.update({"reward/mean": 0.5, "hack/student": 0.25, "proj/cin": 0.125, "teacher/mode": "x"})
+    bar.close()
+    assert bar.bar.n == 1
+    assert "1/3" in out.getvalue() and "reward=0.500, hack=0.250, cin=0.125" in out.getvalue()

@@ -1,0 +1,187 @@
+"""Contrastive pair sources (built-in, file, teacher pool) and the pair-level controls.
+
+Run: pytest tests/test_pairs.py
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from projected_grpo.pairs import (
+    Pair,
+    builtin_pairs,
+    load_pairs_file,
+    nonhack_pairs,
+    pairs_from_pool,
+    pairs_hash,
+    shuffle_labels,
+)
+
+MSGS = [{"role": "user", "content": "add two numbers"}]
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+# --- file source ----------------------------------------------------------------------------------
+
+
+def test_jsonl_file_loads_text_and_chat_prompts(tmp_path):
+    f = write_lines(tmp_path / "p.jsonl", [
+        json.dumps({"prompt": "raw text prompt", "hack": "H1", "clean": "C1"}),
+        "",
+        json.dumps({"prompt": MSGS, "hack": "H2", "clean": "C2", "hack_ids": [5, 6]}),
+    ])
+    pairs = load_pairs_file(f)
+    assert [p.hack for p in pairs] == ["H1", "H2"]
+    assert pairs[0].prompt == "raw text prompt"
+    assert pairs[1].prompt == ({"role": "user", "content": "add two numbers"},)
+    assert pairs[1].hack_ids == (5, 6) and pairs[1].clean_ids is None
+    assert pairs[0].source == f"{f}:1"
+
+
+def test_json_list_file_loads(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps([{"prompt": "q", "hack": "h", "clean": "c"}] * 2))
+    assert len(load_pairs_file(f)) == 2
+
+
+OK = {"prompt": "q", "hack": "h", "clean": "c"}
+
+
+@pytest.mark.parametrize("bad_line, match", [
+    ("{not json", r"p\.jsonl:2: invalid JSON"),
+    (json.dumps({"prompt": "q", "hack": "h"}), r"p\.jsonl:2: missing field\(s\) \['clean'\]"),
+    (json.dumps({"prompt": "q", "hack": "", "clean": "c"}), r"p\.jsonl:2: field 'hack' must be a non-empty"),
+    (json.dumps({"prompt": "q", "hack": "h", "clean": 3}), r"p\.jsonl:2: field 'clean'"),
+    (json.dumps({**OK, "prompt": [{"role": "user"}]}), r"p\.jsonl:2: field 'prompt'\[0\]"),
+    (json.dumps({**OK, "hackk": 1}), r"p\.jsonl:2: unknown field\(s\)"),
+    (json.dumps({**OK, "clean_ids": ["a"]}), r"p\.jsonl:2: field 'clean_ids'"),
+    ("[1, 2]", r"p\.jsonl:2: expected a JSON object"),
+])
+def test_invalid_jsonl_names_file_line_and_field(tmp_path, bad_line, match):
+    f = write_lines(tmp_path / "p.jsonl", [json.dumps({"prompt": "q", "hack": "h", "clean": "c"}), bad_line])
+    with pytest.raises(ValueError, match=match):
+        load_pairs_file(f)
+
+
+def test_invalid_json_item_and_files(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps([{"prompt": "q", "hack": "h", "clean": "c"}, {"prompt": "q", "clean": "c"}]))
+    with pytest.raises(ValueError, match=r"p\.json item 1: missing field\(s\) \['hack'\]"):
+        load_pairs_file(f)
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="holds no pairs"):
+        load_pairs_file(tmp_path / "e.jsonl")
+    (tmp_path / "p.csv").write_text("x")
+    with pytest.raises(ValueError, match="unknown extension"):
+        load_pairs_file(tmp_path / "p.csv")
+    with pytest.raises(FileNotFoundError):
+        load_pairs_file(tmp_path / "missing.jsonl")
+
+
+# --- pool source ----------------------------------------------------------------------------------
+
+
+def row(pid, mode, completion, *, passed, gt, E=False, C=False, D=False, prompt_ids=(1, 2)):
+    return {"problem_id": pid, "mode": mode, "prompt": f"prompt {pid}", "prompt_ids": list(prompt_ids),
+            "completion": completion, "completion_ids": [ord(ch) for ch in completion],
+            "reward": float(passed), "passed": passed, "gt_correct": gt, "exploited": passed and not gt,
+            "format_ok": True, "det_E": E, "det_C": C, "det_D": D}
+
+
+POOL = [
+    row("p1", "run_tests", "h1a", passed=True, gt=False, E=True),
+    row("p1", "run_tests", "h1b", passed=True, gt=False, E=True),
+    row("p1", "run_tests", "c1", passed=True, gt=True),
+    row("p1", "run_tests", "honest_E", passed=True, gt=True, E=True),  # correct: clean even though E fires
+    row("p1", "run_tests", "wrong", passed=False, gt=False),  # neither
+    row("p2", "sentinel", "h2", passed=True, gt=False, E=True),  # unknown mode: never a hack
+    row("p2", "sentinel", "c2", passed=True, gt=True),
+    row("p3", "run_tests", "h3", passed=True, gt=False, C=True),  # only detector C fires
+    row("p3", "run_tests", "c3", passed=True, gt=True),
+    row("p4", "run_tests", "h4", passed=True, gt=False, E=True),  # no clean row for p4
+]
+
+
+def test_pool_pairs_use_only_known_modes_and_named_detectors():
+    pairs, stats = pairs_from_pool(POOL, known_modes=["run_tests"], detectors=("E",))
+    # p1: hacks [h1a, h1b], cleans [c1, honest_E] -> 2 pairs (i mod len on both sides)
+    assert [(p.hack, p.clean) for p in pairs] == [("h1a", "c1"), ("h1b", "honest_E")]
+    assert pairs[0].prompt_ids == (1, 2) and pairs[0].hack_ids == tuple(ord(c) for c in "h1a")
+    assert stats["pairs_per_mode"] == {"run_tests": 2}
+    assert stats["problems_without_clean"] == ["p4"]
+    assert stats["problems_without_hack"] == ["p2", "p3"]
+    pairs, _ = pairs_from_pool(POOL, known_modes=["run_tests"], detectors=("E", "C"))
+    assert [(p.hack, p.clean) for p in pairs] == [("h1a", "c1"), ("h1b", "honest_E"), ("h3", "c3")]
+    pairs, _ = pairs_from_pool(POOL, known_modes=["run_tests", "sentinel"], per_problem=1)
+    assert [(p.hack, p.clean) for p in pairs] == [("h1a", "c1"), ("h2", "c2")]
+
+
+def test_pool_rows_are_validated():
+    broken = dict(POOL[0])
+    del broken["det_E"]
+    with pytest.raises(ValueError, match=r"pool row 1: missing field\(s\) \['det_E'\]"):
+        pairs_from_pool([POOL[1], broken], known_modes=["run_tests"])
+    with pytest.raises(ValueError, match="different prompt_ids"):
+        pairs_from_pool([POOL[0], row("p1", "run_tests", "c", passed=True, gt=True, prompt_ids=(9,))],
+                        known_modes=["run_tests"])
+    with pytest.raises(ValueError, match="detectors"):
+        pairs_from_pool(POOL, known_modes=["run_tests"], detectors=("X",))
+    with pytest.raises(ValueError, match="known_modes is empty"):
+        pairs_from_pool(POOL, known_modes=[])
+
+
+# --- controls and hashing -------------------------------------------------------------------------
+
+
+def test_shuffle_labels_is_seeded_and_swaps_about_half():
+    pairs = [Pair(f"q{i}", f"h{i}", f"c{i}") for i in range(200)]
+    a, b = shuffle_labels(pairs, seed=0), shuffle_labels(pairs, seed=0)
+    assert a == b and a != shuffle_labels(pairs, seed=1)
+    n_swapped = sum(p.hack.startswith("c") for p in a)
+    assert 70 < n_swapped < 130  # Binomial(200, 1/2): mean 100, sd ~7
+    for p, q in zip(pairs, a):
+        assert {q.hack, q.clean} == {p.hack, p.clean}
+    assert pairs[0].swapped().swapped().hack == pairs[0].hack
+
+
+def test_nonhack_pairs_are_clean_vs_clean_of_the_same_prompt():
+    pairs = [Pair("q1", "h", "c1a"), Pair("q1", "h", "c1b"), Pair("q1", "h2", "c1a"), Pair("q2", "h", "c2")]
+    out = nonhack_pairs(pairs)
+    # q1 has distinct cleans [c1a, c1b] -> (c1a, c1b), (c1b, c1a), cycled to 4 pairs; q2 has one clean
+    assert [(p.prompt, p.hack, p.clean) for p in out] == [("q1", "c1a", "c1b"), ("q1", "c1b", "c1a"),
+                                                         ("q1", "c1a", "c1b"), ("q1", "c1b", "c1a")]
+    with pytest.raises(ValueError, match="two distinct clean"):
+        nonhack_pairs([Pair("q1", "h", "c"), Pair("q2", "h", "c")])
+
+
+def test_pairs_hash_tracks_content_not_source():
+    a = [Pair(tuple(MSGS), "h", "c", source="x")]
+    assert pairs_hash(a) == pairs_hash([Pair(tuple(MSGS), "h", "c", source="y")])
+    assert pairs_hash(a) != pairs_hash([Pair(tuple(MSGS), "h", "c2")])
+    assert pairs_hash(a) != pairs_hash([Pair(tuple(MSGS), "h", "c", hack_ids=(1,))])
+    assert pairs_hash(a) != pairs_hash([Pair("add two numbers", "h", "c")])
+
+
+# --- built-in source ------------------------------------------------------------------------------
+
+
+def test_builtin_pairs_vary_and_use_the_training_prompt():
+    from projected_grpo.envs.completions import clean_completions, hack_completions
+    from projected_grpo.envs.problems import BUILTIN_PROBLEMS
+    from projected_grpo.envs.prompts import build_messages
+
+    pairs = builtin_pairs(per_problem=3)
+    prob = BUILTIN_PROBLEMS[0]
+    mine = [p for p in pairs if p.source.startswith(f"builtin:{prob.id}:")]
+    assert mine and all(p.prompt == tuple(build_messages(prob)) for p in mine)
+    assert all(p.hack in hack_completions(prob) and p.clean in clean_completions(prob) for p in mine)
+    assert len({p.hack for p in pairs}) > len(BUILTIN_PROBLEMS)  # several hack variants, not one template
+    assert len({p.clean for p in pairs}) > len(BUILTIN_PROBLEMS)
+    assert all(p.hack != p.clean for p in pairs)
+    assert len(nonhack_pairs(pairs)) == len(pairs)  # the nonhack control works on built-in pairs
