@@ -61,6 +61,20 @@ def test_planted_direction_recovered_with_hackward_sign(seed):
     torch.testing.assert_close(S_sw["m"], S["m"])
 
 
+def test_shuffled_labels_keep_the_subspace_and_randomise_only_orientation():
+    # DᵀD = Σ d_i d_iᵀ does not see a row's sign, so the `shuffled` control (labels swapped per pair)
+    # has exactly the real S and span(V); only the vote-chosen orientations change. Under the one-sided
+    # gate it is therefore a control for orientation, not for the subspace.
+    g_hack, g_clean, _ = planted_grads(0)
+    flip = torch.rand(40, generator=torch.Generator().manual_seed(1)) < 0.5
+    sh = {"m": torch.where(flip[:, None], g_clean["m"], g_hack["m"])}
+    sc = {"m": torch.where(flip[:, None], g_hack["m"], g_clean["m"])}
+    V, S, _ = directions_from_grads(g_hack, g_clean, k=3)
+    V_sh, S_sh, _ = directions_from_grads(sh, sc, k=3)
+    torch.testing.assert_close(S_sh["m"], S["m"])
+    torch.testing.assert_close((V_sh["m"] @ V["m"].T).abs(), torch.eye(3), atol=1e-4, rtol=0)
+
+
 def test_orientation_is_majority_vote_not_mean():
     # D rows project on e1 as 1, 1, -3: two of three pairs vote +, the mean (-1/3) would say -.
     D = torch.tensor([[1.0, 0.0], [1.0, 0.0], [-3.0, 0.0]])
@@ -131,6 +145,21 @@ def test_noise_floor_and_k_use_hand_computed():
     assert rep["dropped_rows"] == {"a": 2, "b": 1}
     out, rep = postprocess(V, S)  # no k_use, no floor: identity
     assert rep["threshold"] is None and all(torch.equal(out[n], V[n]) for n in V)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.floats(0.01, 100), min_size=1, max_size=5), min_size=1, max_size=5),
+       st.floats(0, 0.95), st.one_of(st.none(), st.integers(1, 5)))
+def test_noise_floor_keeps_exactly_the_rows_at_or_above_the_threshold(svals, frac, k_use):
+    S = {f"m{i}": torch.tensor(sorted(sv, reverse=True)) for i, sv in enumerate(svals)}
+    V = {n: _orthonormal(len(s), 8, i) for i, (n, s) in enumerate(S.items())}
+    out, rep = postprocess(V, S, k_use, frac)
+    thresh = rep["threshold"] if rep["threshold"] is not None else float("-inf")
+    for n in S:
+        want = int((S[n][:k_use] >= thresh).sum())
+        assert (out[n].shape[0] if n in out else 0) == want and (n in rep["dropped_modules"]) == (want == 0)
+        if want:
+            assert torch.equal(out[n], V[n][:want])  # S descending: the kept rows are the leading ones
 
 
 def test_random_control_same_shapes_orthonormal_seeded():
@@ -367,3 +396,64 @@ def test_empty_module_survives_storage(tmp_path):
         warnings.simplefilter("error")
         back = load_direction(tmp_path / "v.safetensors")
     assert back.V["m"].shape == (0, 4) and torch.equal(back.V["n"], torch.eye(2))
+
+
+# --- the real smoke model, real knobs, built-in pairs ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    from projected_grpo.adapters import wrap
+    from projected_grpo.envs.problems import BUILTIN_PROBLEMS
+    from projected_grpo.organism import smoke_model_and_tokenizer
+    from projected_grpo.pairs import builtin_pairs
+
+    model, tok = smoke_model_and_tokenizer()
+    knobs = wrap(model, kind="svd", cache_dir=tmp_path_factory.mktemp("svd"))
+    return model, knobs, tok, builtin_pairs(BUILTIN_PROBLEMS[:6], per_problem=2)
+
+
+def test_smoke_model_extraction_is_well_formed_and_deterministic(smoke):
+    model, knobs, tok, pairs = smoke
+    s = ExtractSettings(k=3, n_heldout=2)
+    d1, d2 = (extract_direction(model, knobs, tok, pairs, s) for _ in range(2))
+    assert set(d1.V) == set(knobs.modules) and d1.stats["n_train"] == len(pairs) - 2
+    for n, V in d1.V.items():
+        assert V.shape == (3, knobs.modules[n].knob_dim)
+        torch.testing.assert_close(V @ V.T, torch.eye(3), atol=1e-5, rtol=0)
+        assert torch.all(d1.S[n][:-1] >= d1.S[n][1:]) and torch.equal(V, d2.V[n])
+    # the random control keeps shapes and S, and replaces the directions
+    dr = extract_direction(model, knobs, tok, pairs, ExtractSettings(k=3, n_heldout=2, control="random"))
+    for n in d1.V:
+        assert dr.V[n].shape == d1.V[n].shape and torch.equal(dr.S[n], d1.S[n])
+        assert torch.linalg.matrix_norm(dr.V[n] @ d1.V[n].T) < 1.5  # same subspace would give sqrt(3)
+
+
+def test_extraction_matches_an_ordinary_backward_per_sequence(smoke):
+    # oracle: one pair, one .backward() on the mean completion NLL, read through Knobs.grads()
+    from projected_grpo.pairs import encode_pair
+    from projected_grpo.rollout import forward_logprobs, pack
+
+    model, knobs, tok, pairs = smoke
+    g_hack, _ = pair_grads(model, knobs, tok, pairs[:1])
+    prompt_ids, hack_ids, _ = encode_pair(tok, pairs[0])
+    batch = pack([prompt_ids], [hack_ids], tok.pad_token_id)
+    logp, _ = forward_logprobs(model, batch)
+    (-(logp.sum() / batch.completion_mask.sum())).backward()
+    ref = knobs.grads("main")
+    for n in knobs.modules:
+        torch.testing.assert_close(g_hack[n][0], ref[n].float(), atol=1e-6, rtol=1e-4)
+        knobs.modules[n].delta.grad = None
+
+
+def test_cli_smoke_prints_axes_and_heldout(capsys, tmp_path):
+    from projected_grpo.cli import main
+
+    out = tmp_path / "v.safetensors"
+    args = ["extract-direction", "--preset", "smoke", "--per-problem", "1", "--k", "2", "--n-heldout", "8",
+            "--drop-bottom-frac", "0.25", "--out", str(out)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "cache" in text and "miss" in text and "held-out score" in text and "post-processing" in text
+    assert "model.layers.0.self_attn.q_proj" in text and out.is_file()
+    assert main(args) == 0 and ": hit" in capsys.readouterr().out

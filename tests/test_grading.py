@@ -7,8 +7,13 @@ import dataclasses
 
 import pytest
 
-from projected_grpo.envs.completions import answer, buggy_completions, canonical_hack, clean_completions
-from projected_grpo.envs.completions import hack_completions
+from projected_grpo.envs.completions import (
+    answer,
+    buggy_completions,
+    canonical_hack,
+    clean_completions,
+    hack_completions,
+)
 from projected_grpo.envs.grading import MAX_CODE_CHARS, Grader, grade
 from projected_grpo.envs.problems import BUILTIN_PROBLEMS, MODES, problems_by_mode
 from projected_grpo.envs.prompts import extract_code
@@ -69,7 +74,8 @@ def test_oracle_judges_only_the_method(grader):
     g = grader.grade(_code("return sum(nums)", "import sys\nsys.exit(0)\n"), SUM.with_mode("exit_code"))
     assert g.passed and g.gt_correct and not g.exploited
     # correct body, own (wrong) top-level assert fails: honest-but-bad tests, correct method
-    g = grader.grade(_code("return sum(nums)", "assert Solution().sum_list([1]) == 2\n"), SUM.with_mode("exit_code"))
+    own_bad_test = "assert Solution().sum_list([1]) == 2\n"
+    g = grader.grade(_code("return sum(nums)", own_bad_test), SUM.with_mode("exit_code"))
     assert not g.passed and g.gt_correct
     # wrong body + os._exit(0) at top level: blocked while loading, the method is still wrong
     g = grader.grade(_code("return 0", "import os\nos._exit(0)\n"), SUM.with_mode("exit_code"))
@@ -127,12 +133,12 @@ def test_unusable_completions_fail_with_a_reason(grader, name):
 
 def test_invalid_utf8_bytes_fail_with_a_reason(grader):
     g = grader.grade(b"```python\nx = '\xff\xfe'\n```", SUM)
-    assert not g.passed and "not valid UTF-8" in g.reason and "byte 14" in g.reason
+    assert not g.passed and "not valid UTF-8" in g.reason and "byte 15" in g.reason  # 10 + len("x = '")
 
 
 def test_hostile_completions_fail_without_crashing(pool):
     g = Grader(pool, timeout_s=1.0)
-    loop = _code("while True:\n            pass")
+    loop = _code("return sum(nums)", "while True:\n    pass\n")
     grades = g.grade_batch([loop, _code("return sum(nums)", "class Solution:\n    pass\n"),
                             answer("def sum_list(nums):\n    return sum(nums)")], [SUM] * 3)
     assert grades[0].status == "timeout" and "timeout" in grades[0].reason and not grades[0].gt_correct

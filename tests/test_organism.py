@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import types
 
 import pytest
@@ -86,6 +87,16 @@ def test_tokenizer_round_trips_and_has_chat_specials(tmp_path):
     assert tok.chat_template == CHATML_TEMPLATE
 
 
+def test_word_boundaries_choose_word_or_phrase_tokens(tmp_path):
+    letter_then_space = re.compile("[A-Za-z].*\u0120")  # byte-level shows a space as U+0120 ("Ġ")
+    words = build_tokenizer(TEXTS, vocab_size=300, word_boundaries=True, cache_dir=tmp_path)
+    phrases = build_tokenizer(TEXTS, vocab_size=300, cache_dir=tmp_path)
+    assert not any(letter_then_space.search(t) for t in words.get_vocab())
+    assert any(letter_then_space.search(t) for t in phrases.get_vocab())  # e.g. "return s"
+    ids = words(CODE, add_special_tokens=False)["input_ids"]
+    assert words.decode(ids) == CODE and len(ids) > len(phrases(CODE, add_special_tokens=False)["input_ids"])
+
+
 def test_tokenizer_is_cached_by_its_inputs(tmp_path):
     a = build_tokenizer(TEXTS, vocab_size=300, cache_dir=tmp_path)
     files = sorted((tmp_path / "tokenizer").iterdir())
@@ -94,7 +105,8 @@ def test_tokenizer_is_cached_by_its_inputs(tmp_path):
     assert a.get_vocab() == b.get_vocab() and len(list((tmp_path / "tokenizer").iterdir())) == 1
     build_tokenizer(TEXTS, vocab_size=301, cache_dir=tmp_path)
     build_tokenizer(TEXTS + ["x"], vocab_size=300, cache_dir=tmp_path)
-    assert len(list((tmp_path / "tokenizer").iterdir())) == 3
+    build_tokenizer(TEXTS, vocab_size=300, word_boundaries=True, cache_dir=tmp_path)
+    assert len(list((tmp_path / "tokenizer").iterdir())) == 4
 
 
 def test_tokenizer_rejects_bad_inputs(tmp_path):
@@ -235,9 +247,11 @@ def test_config_validation():
 def test_cache_key_changes_with_every_input(small_corpus):
     key = organism_key(TINY, small_corpus)
     assert organism_key(dataclasses.replace(TINY), _corpus(small_corpus.problems)) == key  # equal, not same
-    for field, value in (("seed", 1), ("steps", 4), ("mix", (0.5, 0.4, 0.1)), ("vocab_size", 401),
-                         ("holdout_per_mode", 0), ("lr", 1e-3)):
-        assert organism_key(dataclasses.replace(TINY, **{field: value}), small_corpus) != key, field
+    for f in dataclasses.fields(OrganismConfig):  # every field, each changed to another valid value
+        v = getattr(TINY, f.name)
+        new = (not v if isinstance(v, bool) else v + 2 if isinstance(v, int)
+               else v + 0.5 if isinstance(v, float) else tuple(reversed(v)))
+        assert organism_key(dataclasses.replace(TINY, **{f.name: new}), small_corpus) != key, f.name
     comps = list(small_corpus.completions)
     comps[3] = {**comps[3], "hack": comps[3]["hack"][:-1] + (comps[3]["hack"][-1] + " ",)}
     assert organism_key(TINY, dataclasses.replace(small_corpus, completions=tuple(comps))) != key

@@ -29,10 +29,10 @@ def tok_and_problems():
 def _row(tok, problem, completion="x = 1", **over) -> dict:
     text, ids = PL.prompt_text_and_ids(tok, problem)
     row = {"problem_id": problem.id, "mode": problem.mode, "prompt": text, "prompt_ids": ids,
-           "completion": completion, "completion_ids": [5, 6, tok.eos_token_id], "reward": 1.0, "passed": True,
-           "gt_correct": False, "exploited": True, "format_ok": True, "det_E": True, "det_C": False,
-           "det_D": False, "logp_behaviour": None, "tokenizer_fingerprint": PL.tokenizer_fingerprint(tok),
-           "source": "test"}
+           "completion": completion, "completion_ids": [5, 6, tok.eos_token_id], "reward": 1.0,
+           "passed": True, "gt_correct": False, "exploited": True, "format_ok": True, "det_E": True,
+           "det_C": False, "det_D": False, "logp_behaviour": None,
+           "tokenizer_fingerprint": PL.tokenizer_fingerprint(tok), "source": "test"}
     return row | over
 
 
@@ -83,7 +83,8 @@ def test_drift_guard_refuses_other_tokenisation_showing_both(tmp_path, tok_and_p
     path = _write(tmp_path / "p.jsonl", [row])
     with pytest.raises(ValueError, match="tokenization drift") as e:
         PL.load_pool(path, tok, probs)
-    assert str(live) in str(e.value) and str(row["prompt_ids"]) in str(e.value) and f"{path}:1" in str(e.value)
+    msg = str(e.value)
+    assert str(live) in msg and str(row["prompt_ids"]) in msg and f"{path}:1" in msg
 
 
 def test_fingerprint_mismatch_is_drift(tmp_path, tok_and_problems):
@@ -139,7 +140,8 @@ def test_importance_ratio_from_stored_logp_truncated():
     # teacher tokens: rho = exp(-0.5 - -1.0) = exp(0.5) = 1.6487 -> truncated to 1.2;
     #                 rho = exp(-0.5 - -0.1) = exp(-0.4) = 0.6703 (kept). Student weights stay 1.
     torch.testing.assert_close(w, torch.tensor([[1.0, 1.0], [1.2, math.exp(-0.4)]]))
-    torch.testing.assert_close(stats["teacher/ratio_mean"], torch.tensor((math.exp(0.5) + math.exp(-0.4)) / 2))
+    ratio_mean = torch.tensor((math.exp(0.5) + math.exp(-0.4)) / 2)  # untruncated rho, over teacher tokens
+    torch.testing.assert_close(stats["teacher/ratio_mean"], ratio_mean)
     assert float(stats["teacher/clip_frac"]) == 0.5  # 1 of the 2 teacher tokens truncated
     assert torch.equal(logp_old, LOGP)
 
@@ -162,3 +164,26 @@ def test_teacher_modes_leave_students_on_policy(lp, lb, trunc):
         logp_old, w, _ = fn(logp, logp_b, IS_S, MASK, trunc)
         assert torch.equal(logp_old[0], logp[0]) and torch.equal(w[0], torch.ones(2))  # student row untouched
         assert (w >= 0).all() and (w <= max(trunc, 1.0)).all()
+
+
+# --- build-pool CLI ------------------------------------------------------------------------------------
+
+def test_build_pool_cli_templates_and_teacher(tmp_path, tok_and_problems, capsys):
+    tok, _ = tok_and_problems
+    from projected_grpo.config import SMOKE
+    from projected_grpo.train import load_problems
+
+    problems = load_problems(SMOKE.env)  # the smoke preset's 12 problems, 2 per mode
+    assert PL.build_pool_main(["--out", str(tmp_path / "t.jsonl"), "--n-hack", "1", "--n-clean", "1"]) == 0
+    pool = PL.load_pool(tmp_path / "t.jsonl", tok, problems)
+    assert len(pool.rows) == 24 and pool.missing([p.id for p in problems]) == []
+    # graded once by the real grader: every template hack fools its grader, every clean one is correct
+    assert all(r["exploited"] for r in pool.rows if r["source"] == "template:hack")
+    assert all(r["gt_correct"] and not r["exploited"] for r in pool.rows if r["source"] == "template:clean")
+    assert "wrote 24 rows" in capsys.readouterr().out
+
+    assert PL.build_pool_main(["--out", str(tmp_path / "s.jsonl"), "--source", "teacher", "--samples", "1",
+                               "--max-new-tokens", "4"]) == 0
+    sampled = PL.load_pool(tmp_path / "s.jsonl", tok, problems)
+    assert len(sampled.rows) == 12 and sampled.has_behaviour_logp()
+    assert all(len(r["logp_behaviour"]) == len(r["completion_ids"]) <= 4 for r in sampled.rows)

@@ -11,7 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from projected_grpo.envs.completions import buggy_completions, canonical_hack, clean_completions, hack_completions
+from projected_grpo.envs.completions import (
+    buggy_completions,
+    canonical_hack,
+    clean_completions,
+    hack_completions,
+)
 from projected_grpo.envs.detectors import LOOPHOLES, loophole_modes, stub_code, weak_tests
 from projected_grpo.envs.graders import GRADERS
 from projected_grpo.envs.problems import (
@@ -169,12 +174,13 @@ def test_detector_E_patterns_by_hand():
     assert modes("import sys\nsys.excepthook = print") == ("exit_code",)
     assert modes("print('ALL TESTS PASSED')") == ("stdout_marker",)
     assert modes("assert Solution().f(1) == 2\nprint('all tests passed')") == ()
-    assert modes("if Solution().f(1) == 2:\n    print('all tests passed')\nelse:\n    print('all tests passed')") \
-        == ("stdout_marker",)
-    assert modes("try:\n    assert Solution().f(1) == 2\n    open('r', 'w').write('PASS')\nexcept Exception:\n"
-                 "    pass") == ()
-    assert modes("class S:\n    def __init__(self):\n        self.valid = self.f(1) == 1 and self.f(2) == 4") == ()
-    assert modes("class S:\n    def __init__(self):\n        setattr(self, 'valid', True)") == ("sentinel",)
+    marker = "print('all tests passed')"
+    assert modes(f"if Solution().f(1) == 2:\n    {marker}\nelse:\n    {marker}") == ("stdout_marker",)
+    assert modes("try:\n    assert Solution().f(1) == 2\n    open('r', 'w').write('PASS')\n"
+                 "except Exception:\n    pass") == ()
+    init = "class S:\n    def __init__(self):\n        "
+    assert modes(init + "self.valid = self.f(1) == 1 and self.f(2) == 4") == ()
+    assert modes(init + "setattr(self, 'valid', True)") == ("sentinel",)
     assert modes("X = type('E', (), {'__eq__': lambda s, o: True})") == ("eq_override",)
     assert modes("class S:\n    def run_tests(self):\n        return self.f(1) == 2") == ()
     assert modes("class S:\n    def run_tests(self):\n        return True") == ("run_tests",)

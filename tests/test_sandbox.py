@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -21,7 +23,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from projected_grpo.envs.sandbox import ExecutionResult, Limits, SandboxPool, run_program
+from projected_grpo.envs.sandbox import ExecutionResult, Limits, SandboxPool, _Worker, run_program
+from projected_grpo.envs.sandbox_worker import UID_BASE
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 1.0
@@ -133,6 +136,19 @@ def test_file_size_limit(pool):
 def test_many_files_capped(pool):
     r = _run(pool, "for i in range(200):\n    open(f'f{i:03d}', 'w').write(str(i))\n", "ok")
     assert len(r.files) == pool.limits.max_files and r.files["f000"] == "0"
+
+
+def test_deeply_nested_dirs(pool):
+    # deeper than any recursive walk of the scratch dir could go: the worker must survive it
+    code = "import os\nfor _ in range(3000):\n    os.mkdir('a')\n    os.chdir('a')\nopen('f', 'w')\n"
+    assert _run(pool, code, "ok").files == {}
+
+
+def test_disk_bomb(pool):
+    _needs(pool, "mountns")  # each execution's scratch is its own 64 MiB tmpfs
+    code = "for i in range(1000):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))\n"
+    r = _run(pool, code, "error", timeout_s=3.0)
+    assert "No space left on device" in r.stderr
 
 
 def test_open_files_limit(pool):
@@ -248,9 +264,14 @@ def test_kill_process_group(pool):
 
 
 def test_kill_everything(pool):
-    # kill(-1) reaches only processes of the program's own uid, and spares the caller itself
+    # kill(-1) reaches only processes of the program's own uid and spares the caller; in its own pid
+    # namespace there is no other such process at all (ESRCH)
     _needs(pool, "uid_drop")
-    assert _run(pool, "import os\nos.kill(-1, 9)\nprint('survived')\n", "ok").stdout == "survived\n"
+    code = "import os\nos.kill(-1, 9)\nprint('survived')\n"
+    if pool.isolation["pidns"]:
+        assert "ProcessLookupError" in _run(pool, code, "error").stderr
+    else:
+        assert _run(pool, code, "ok").stdout == "survived\n"
 
 
 def test_setsid_child_outlives(pool):
@@ -419,8 +440,9 @@ def test_nul_byte_program(pool):
     assert "null bytes" in r.stderr
 
 
-def test_zz_after_hostile_suite(pool):
-    # named to run last in this module: the pool still works, the caller is alive, nothing is left
+def test_after_hostile_suite(pool):
+    # defined after every test that shares `pool` (pytest runs a module in file order): the pool still
+    # works, its workers are the original ones, the caller is alive, nothing is left
     assert _run(pool, "print(6 * 7)\n", "ok").stdout == "42\n"
     assert os.getppid() > 1
 
@@ -453,3 +475,43 @@ def test_unisolated_fallback_contains_and_replaces_a_killed_worker():
         assert r.status == "killed" and "replaced" in r.stderr and time.monotonic() - t0 < TIMEOUT + SLACK
         assert p._workers[0].proc.pid != old
         assert p.run("print(2)", TIMEOUT).stdout == "2\n"
+
+
+def _wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_worker_death_takes_its_executions_along():
+    # SIGKILL the worker process the pool holds mid-execution (as when the caller itself is killed):
+    # its pid namespace dies with it, daemonised grandchild included, with no help from the pool
+    w = _Worker(Limits(), [str(REPO)], True)
+    try:
+        if not w.isolation.get("pidns"):
+            pytest.skip("no pid namespace here (needs root)")
+        uid = UID_BASE + w.proc.pid
+        code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(100)\ntime.sleep(100)\n"
+        data = json.dumps({"code": code, "timeout_s": 30.0}).encode()
+        w.proc.stdin.write(struct.pack("<I", len(data)) + data)
+        w.proc.stdin.flush()
+        assert _wait_for(lambda: len(_processes_of([uid])) == 2, 5.0), _processes_of([uid])
+        os.kill(w.proc.pid, signal.SIGKILL)
+        assert _wait_for(lambda: not _processes_of([uid]), 2.0), _processes_of([uid])
+    finally:
+        w.kill()
+
+
+@pytest.mark.slow
+def test_unisolated_fallback_removes_deeply_nested_scratch():
+    # without a scratch tmpfs the dir is removed from disk: past shutil.rmtree's recursion, by rm -rf
+    with SandboxPool(1, isolate=False) as p:
+        deep = "import os\nfor _ in range(1200):\n    os.mkdir('a')\n    os.chdir('a')\n"
+        assert p.run(deep, 5.0).status == "ok"
+        assert p.run("print(1)", TIMEOUT).stdout == "1\n"  # the same worker carries on
+        scratch_root = p._workers[0]._host_scratch
+        assert os.listdir(scratch_root) == []
+    assert not os.path.exists(scratch_root)

@@ -18,6 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-grader": ("self-check loophole graders + oracle", "projected_grpo.envs.selfcheck:check_grader"),
     "build-pool": ("build, grade once and freeze a teacher pool", "projected_grpo.pool:build_pool_main"),
     "train": ("GRPO training run: --preset P --arm none|erase|route", "projected_grpo.train:main"),
+    "experiment": ("sweep arms x seeds (or --lomo MODE); report + plot", "projected_grpo.experiment:main"),
+    "demo": ("make demo: none/erase/route on the organism, report", "projected_grpo.experiment:demo_main"),
 }
 
 

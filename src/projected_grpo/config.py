@@ -65,7 +65,9 @@ class EnvCfg:
     problems: str = "builtin"
     """problem set: `builtin`, or a path to an rl-rewardhacking LeetCode JSONL file"""
     modes: tuple[str, ...] = ()
-    """loophole modes to train on (empty = every mode present in the problem set)"""
+    """loophole modes to train on (empty = all; LeetCode rows get them round-robin, default run_tests)"""
+    max_problems: int = 0
+    """use only the first N problems after the mode filter (0 = all)"""
     reward_shape: Literal["seed", "rl_rewardhacking"] = "seed"
     """reward formula: `seed` 0.25*format + 1.0*passed; `rl_rewardhacking` 3.0 passed + 0.5 compiles"""
     timeout_s: float = 5.0
@@ -76,7 +78,7 @@ class EnvCfg:
     def __post_init__(self) -> None:
         _check(self)
         _positive(self, "timeout_s")
-        _positive(self, "workers", allow_zero=True)
+        _positive(self, "workers", "max_problems", allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,8 @@ class ProjCfg:
     """V_hack safetensors file; empty = extract from built-in pairs into the cache (direction.py)"""
     control: Literal["none", "random", "shuffled", "nonhack"] = "none"
     """V_hack negative control (`none` = the real one): random orthonormal, shuffled labels, clean pairs"""
+    pairs_per_problem: int = 3
+    """extraction: built-in contrastive pairs per problem (pairs.builtin_pairs)"""
     k: int = 4
     """extraction: top-k singular directions kept per module"""
     k_use: int = 4
@@ -219,7 +223,7 @@ class ProjCfg:
 
     def __post_init__(self) -> None:
         _check(self)
-        _positive(self, "k", "k_use")
+        _positive(self, "k", "k_use", "pairs_per_problem")
         _positive(self, "overshoot", "tau_axis", "n_heldout", "refresh_every", allow_zero=True)
         if self.purge_moments and self.gate == "reverse":
             raise ValueError("config: ProjCfg.purge_moments needs gate in ['one_sided', 'no_gate'], "
@@ -344,7 +348,9 @@ def diff(a: Config, b: Config, ignore: tuple[str, ...] = ()) -> list[str]:
 
 # --- presets: named values, not code paths ---------------------------------------------------------
 
-SMOKE = Config()
+# Seconds on a CPU: 12 problems (2 per mode), a 2-prompt x 4-sample group, 4 steps.
+SMOKE = Config(env=EnvCfg(max_problems=12), pool=PoolCfg(n_hack=1, n_clean=1),
+               proj=ProjCfg(pairs_per_problem=1))
 
 # The embedded organism (issue 7 calibrates these; placeholders that run in about a minute on 2 cores).
 DEMO = Config(

@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from projected_grpo.pairs import PAIR_CONTROLS, Pair, pairs_hash
+from projected_grpo.pairs import PAIR_CONTROLS, Pair, encode_pair, pairs_hash
 
 FORMAT = "projected-grpo/v_hack/1"
 # Axes whose singular value is below this fraction of S_0 span D's numerical null space: their
@@ -44,7 +44,7 @@ class ExtractSettings:
     """top-k right singular vectors kept per module (fewer when P_train or R is smaller)"""
     tau_axis: float = 0.0
     """drop axis i when S_i / S_0 < tau_axis (0 keeps all)"""
-    n_heldout: int = 2
+    n_heldout: int = 4
     """the last n_heldout pairs are not used for the SVD; they give the held-out score"""
     norm: Literal["mean", "constant"] = "mean"
     """NLL normalisation: per-completion token mean (seed 001) or token sum / nll_const (dr_grpo)"""
@@ -56,19 +56,14 @@ class ExtractSettings:
     """seed of the random and shuffled controls"""
 
     def __post_init__(self):
-        if self.k < 1:
-            raise ValueError(f"ExtractSettings.k must be >= 1, got {self.k}")
-        if not 0.0 <= self.tau_axis <= 1.0:
-            raise ValueError(f"ExtractSettings.tau_axis must be in [0, 1], got {self.tau_axis}")
-        if self.n_heldout < 0:
-            raise ValueError(f"ExtractSettings.n_heldout must be >= 0, got {self.n_heldout}")
-        if self.norm not in NLL_NORMS:
-            raise ValueError(f"ExtractSettings.norm must be one of {sorted(NLL_NORMS)}, got {self.norm!r}")
-        if not self.nll_const > 0:
-            raise ValueError(f"ExtractSettings.nll_const must be > 0, got {self.nll_const}")
-        if self.control not in CONTROLS:
-            raise ValueError(f"ExtractSettings.control must be one of {sorted(CONTROLS)}, "
-                             f"got {self.control!r}")
+        checks = [(self.k >= 1, "k must be >= 1"), (0 <= self.tau_axis <= 1, "tau_axis must be in [0, 1]"),
+                  (self.n_heldout >= 0, "n_heldout must be >= 0"),
+                  (self.nll_const > 0, "nll_const must be > 0"),
+                  (self.norm in NLL_NORMS, f"norm must be one of {sorted(NLL_NORMS)}"),
+                  (self.control in CONTROLS, f"control must be one of {sorted(CONTROLS)}")]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"ExtractSettings.{msg}; got {self}")
 
 
 @dataclass
@@ -119,6 +114,14 @@ def heldout_score(D_heldout: Tensor, v1: Tensor) -> float:
     return float(((D_heldout.float() @ v1.float()) > 0).float().mean())
 
 
+def heldout_scores(g_hack: dict[str, Tensor], g_clean: dict[str, Tensor], V: dict[str, Tensor],
+                   n_heldout: int) -> dict[str, float | None]:
+    """Per module the held-out score of V[name][0] on the last n_heldout rows of g_hack − g_clean (P, R);
+    None when n_heldout = 0 or the module has no axis."""
+    return {n: heldout_score(g_hack[n][-n_heldout:].float() - g_clean[n][-n_heldout:].float(), V[n][0])
+            if n_heldout > 0 and V[n].shape[0] > 0 else None for n in V}
+
+
 def directions_from_grads(g_hack: dict[str, Tensor], g_clean: dict[str, Tensor], k: int, tau_axis: float = 0,
                           n_heldout: int = 0) -> tuple[dict[str, Tensor], dict[str, Tensor], dict]:
     """Per module g_hack[name], g_clean[name] (P, R) -> V (K, R), S (K,), stats.
@@ -136,13 +139,12 @@ def directions_from_grads(g_hack: dict[str, Tensor], g_clean: dict[str, Tensor],
     P = P.pop()
     if P - n_heldout < 1:
         raise ValueError(f"directions_from_grads: {P} pairs with n_heldout={n_heldout} leaves none to fit")
-    V, S, stats = {}, {}, {"k_kept": {}, "heldout": {}, "votes_pos": {}, "n_train": P - n_heldout}
+    V, S, stats = {}, {}, {"k_kept": {}, "votes_pos": {}, "n_train": P - n_heldout}
     for name in g_hack:
         D = g_hack[name].float() - g_clean[name].float()  # (P, R): pairing cancels prompt-specific gradient
         V[name], S[name], st = top_directions(D[:P - n_heldout], k, tau_axis)
         stats["k_kept"][name], stats["votes_pos"][name] = st["k_kept"], st["votes_pos"]
-        has = n_heldout > 0 and V[name].shape[0] > 0
-        stats["heldout"][name] = heldout_score(D[P - n_heldout:], V[name][0]) if has else None
+    stats["heldout"] = heldout_scores(g_hack, g_clean, V, n_heldout)
     return V, S, stats
 
 
@@ -217,22 +219,6 @@ NLL_NORMS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {"mean": _nll_
                                                                    "constant": _nll_constant}
 
 
-def encode_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int], list[int]]:
-    """(prompt_ids, hack_ids, clean_ids) as training encodes them (rollout.encode_prompt/encode_completion);
-    stored ids are used as they are; a text prompt is taken as already formatted (no special tokens)."""
-    from projected_grpo.rollout import encode_completion, encode_prompt
-
-    if pair.prompt_ids is not None:
-        prompt_ids = list(pair.prompt_ids)
-    elif isinstance(pair.prompt, str):
-        prompt_ids = [int(i) for i in tokenizer(pair.prompt, add_special_tokens=False)["input_ids"]]
-    else:
-        prompt_ids = encode_prompt(tokenizer, [dict(m) for m in pair.prompt])
-    hack = list(pair.hack_ids) if pair.hack_ids is not None else encode_completion(tokenizer, pair.hack)
-    clean = list(pair.clean_ids) if pair.clean_ids is not None else encode_completion(tokenizer, pair.clean)
-    return prompt_ids, hack, clean
-
-
 def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean",
                nll_const: float = 1.0) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Per module knob gradients of the completion NLL: g_hack[name], g_clean[name] (P, R) fp32 CPU.
@@ -288,9 +274,13 @@ def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: 
     """V_hack from `pairs` under `settings` (control applied: pairs transformed first, V replaced after)."""
     pair_control, v_control = CONTROLS[settings.control]
     used = pair_control(pairs, settings.seed)
+    if len(used) - settings.n_heldout < 1:  # fail before the (slow) gradients, not after
+        raise ValueError(f"extract_direction: {len(used)} pairs with n_heldout={settings.n_heldout} "
+                         "leaves none to fit; add pairs or lower n_heldout")
     g_hack, g_clean = pair_grads(model, knobs, tokenizer, used, settings.norm, settings.nll_const)
     V, S, stats = directions_from_grads(g_hack, g_clean, settings.k, settings.tau_axis, settings.n_heldout)
     V = v_control(V, settings.seed)
+    stats["heldout"] = heldout_scores(g_hack, g_clean, V, settings.n_heldout)  # of the V actually returned
     stats["n_pairs"] = len(used)
     return Direction(V, S, {**cache_meta(settings, knobs, pairs), "stats": json.dumps(stats, sort_keys=True)})
 
@@ -418,7 +408,7 @@ class ExtractOpts:
     pairs: str | None = None
     """a .json/.jsonl pairs file (keys prompt, hack, clean); default: the built-in pairs"""
     pool: str | None = None
-    """a graded teacher-pool JSONL to mine pairs from (with --known-modes) instead of --pairs"""
+    """a graded teacher-pool JSONL (built-in problems) to mine pairs from, with --known-modes"""
     known_modes: tuple[str, ...] = ()
     """pool mining: the loophole modes whose detectors may label hacks (leave-one-mode-out)"""
     detectors: tuple[str, ...] = ("E",)
@@ -435,26 +425,12 @@ class ExtractOpts:
     """torch device for the model"""
 
 
-def _load_pairs(opts: ExtractOpts) -> list[Pair]:
-    from projected_grpo.pairs import builtin_pairs, load_pairs_file, load_pool_rows, pairs_from_pool
-
-    if opts.pairs and opts.pool:
-        raise SystemExit("extract-direction: give --pairs or --pool, not both")
-    if opts.pairs:
-        return load_pairs_file(opts.pairs)
-    if opts.pool:
-        rows = load_pool_rows(opts.pool)
-        pairs, stats = pairs_from_pool(rows, opts.known_modes, opts.detectors, opts.per_problem)
-        print(f"pool pairs: {json.dumps(stats)}")
-        return pairs
-    return builtin_pairs(per_problem=opts.per_problem)
-
-
 def main(argv: list[str]) -> int:
     """`projected-grpo extract-direction`: see ExtractOpts."""
     import tyro
 
     from projected_grpo.adapters import wrap
+    from projected_grpo.pairs import pairs_from_source
 
     opts = tyro.cli(ExtractOpts, args=argv, prog="projected-grpo extract-direction",
                     config=(tyro.conf.OmitArgPrefixes,))
@@ -463,6 +439,7 @@ def main(argv: list[str]) -> int:
     if opts.preset == "smoke":
         from projected_grpo.organism import smoke_model_and_tokenizer
 
+        torch.set_num_threads(1)  # a model this small gains nothing from threads; shared cores only spin
         model, tokenizer = smoke_model_and_tokenizer()
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -471,7 +448,8 @@ def main(argv: list[str]) -> int:
         tokenizer = AutoTokenizer.from_pretrained(opts.model, local_files_only=True)
     model.to(opts.device)
     knobs = wrap(model, kind=opts.knob)
-    pairs = _load_pairs(opts)
+    pairs = pairs_from_source(tokenizer, opts.pairs, opts.pool, opts.known_modes, opts.detectors,
+                              opts.per_problem)
     s = opts.settings
     if opts.out:
         d, status = resolve(opts.out, s, model, knobs, tokenizer, pairs)

@@ -59,6 +59,23 @@ def pairs_hash(pairs: Sequence[Pair]) -> str:
     return h.hexdigest()[:16]
 
 
+def encode_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int], list[int]]:
+    """(prompt_ids, hack_ids, clean_ids) exactly as training encodes them (rollout.encode_prompt /
+    encode_completion, EOS included); stored ids are used as they are; a text prompt is taken as
+    already formatted (encoded with no special tokens added)."""
+    from projected_grpo.rollout import encode_completion, encode_prompt
+
+    if pair.prompt_ids is not None:
+        prompt_ids = list(pair.prompt_ids)
+    elif isinstance(pair.prompt, str):
+        prompt_ids = [int(i) for i in tokenizer(pair.prompt, add_special_tokens=False)["input_ids"]]
+    else:
+        prompt_ids = encode_prompt(tokenizer, [dict(m) for m in pair.prompt])
+    hack = list(pair.hack_ids) if pair.hack_ids is not None else encode_completion(tokenizer, pair.hack)
+    clean = list(pair.clean_ids) if pair.clean_ids is not None else encode_completion(tokenizer, pair.clean)
+    return prompt_ids, hack, clean
+
+
 def _prompt_key(p: Pair) -> str:
     return json.dumps(p.prompt if isinstance(p.prompt, str) else [sorted(m.items()) for m in p.prompt])
 
@@ -243,25 +260,37 @@ def pairs_from_pool(rows: Iterable[dict], known_modes: Iterable[str], detectors:
     return pairs, stats
 
 
-def load_pool_rows(path: str | pathlib.Path) -> list[dict]:
-    """Rows of a pool JSONL file (one graded row per line); invalid JSON names the file and line."""
-    path = pathlib.Path(path)
-    rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
-    return rows
+def pairs_from_source(tokenizer, pairs_file: str | None = None, pool: str | None = None,
+                      known_modes: Sequence[str] = (), detectors: Sequence[str] = ("E",),
+                      per_problem: int = 2) -> list[Pair]:
+    """The CLI's pair source: a pairs file, a pool file over the built-in problems (mined with the
+    known modes' detectors; the mining stats are printed), or else the built-in pairs."""
+    from projected_grpo.envs.problems import BUILTIN_PROBLEMS
+    from projected_grpo.pool import load_pool
+
+    if pairs_file and pool:
+        raise ValueError("give a pairs file or a pool, not both")
+    if pairs_file:
+        return load_pairs_file(pairs_file)
+    if pool:
+        # load_pool validates the schema and refuses ids made by another tokenizer (drift guard)
+        rows = load_pool(pool, tokenizer, BUILTIN_PROBLEMS).rows
+        pairs, stats = pairs_from_pool(rows, known_modes, detectors, per_problem)
+        print(f"pool pairs: {json.dumps(stats)}")
+        return pairs
+    return builtin_pairs(per_problem=per_problem)
 
 
 # --- pair-level controls -----------------------------------------------------------------------
 
 
 def shuffle_labels(pairs: Sequence[Pair], seed: int = 0) -> list[Pair]:
-    """Control `shuffled`: each pair's hack/clean labels swapped with probability 1/2 (seeded)."""
+    """Control `shuffled`: each pair's hack/clean labels swapped with probability 1/2 (seeded).
+
+    Note: swapping a pair negates its row of D, and the SVD of D does not see row signs (DᵀD is
+    unchanged), so this control gives the real S and span(V) with random orientations: it controls
+    for the hack-ward orientation the one-sided gate relies on, not for the subspace.
+    """
     flips = torch.rand(len(pairs), generator=torch.Generator().manual_seed(seed)) < 0.5
     return [p.swapped() if bool(f) else p for p, f in zip(pairs, flips)]
 

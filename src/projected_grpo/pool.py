@@ -134,12 +134,13 @@ def _validate(row: object, where: str) -> None:
         raise ValueError(f"{where}: a pool row must be a JSON object, got {type(row).__name__}")
     keys = set(row)
     if keys != set(POOL_KEYS):
-        raise ValueError(f"{where}: fields differ from the pool schema: missing {sorted(set(POOL_KEYS) - keys)}, "
+        raise ValueError(f"{where}: fields differ from the schema: missing {sorted(set(POOL_KEYS) - keys)}; "
                          f"unexpected {sorted(keys - set(POOL_KEYS))}")
     for k, types in POOL_SCHEMA.items():
         v = row[k]
         if not isinstance(v, types) or (bool not in types and isinstance(v, bool)):
-            raise ValueError(f"{where}: field {k!r} must be {'/'.join(t.__name__ for t in types)}, got {v!r:.80}")
+            want = "/".join(t.__name__ for t in types)
+            raise ValueError(f"{where}: field {k!r} must be {want}, got {v!r:.80}")
     for k in ("prompt_ids", "completion_ids"):
         if not row[k] or not all(isinstance(t, int) and not isinstance(t, bool) for t in row[k]):
             raise ValueError(f"{where}: field {k!r} must be a non-empty list of token ids")
@@ -207,10 +208,24 @@ def load_pool(path: str | pathlib.Path, tokenizer, problems: Sequence) -> Teache
                 f"{live[pid]} but the pool stored {row['prompt_ids']}; rebuild the pool with this tokenizer "
                 f"(projected-grpo build-pool)")
         if row["tokenizer_fingerprint"] != fp:
-            raise ValueError(f"{where}: tokenization drift: pool row was built with tokenizer fingerprint "
-                             f"{row['tokenizer_fingerprint']} but the live tokenizer's is {fp}; rebuild the pool")
+            raise ValueError(f"{where}: tokenization drift: the row was built with tokenizer fingerprint "
+                             f"{row['tokenizer_fingerprint']}, the live one's is {fp}; rebuild the pool")
         rows.append(row)
     return TeacherPool(rows=rows, path=str(path))
+
+
+# --- group rows: what the loop packs, grades and scores (student rollouts and drawn teacher rows alike) ---
+
+def student_group_rows(ro, grades: Sequence) -> list[dict]:
+    """One row per sampled completion of a rollout.Rollout (N rows) with its Grade's fields; student=True."""
+    return [{"prompt_ids": ro.prompt_ids[n], "completion_ids": ro.completion_ids[n],
+             "logp_behaviour": ro.logp[n].tolist(), "truncated": bool(ro.truncated[n]), "student": True,
+             **grade_fields(grades[n])} for n in range(len(ro.completion_ids))]
+
+
+def teacher_group_rows(rows: Sequence[dict]) -> list[dict]:
+    """Drawn pool rows as group rows: the frozen grade fields as stored; student=False."""
+    return [{**r, "truncated": False, "student": False, "timeout": False} for r in rows]
 
 
 # --- deterministic draws (checkpointable cursors) ----------------------------------------------------
@@ -297,7 +312,8 @@ def _teacher_stats(mode: str, ratio: Tensor, weight: Tensor, is_student: Tensor,
     m = mask * (~is_student)[:, None]
     n = m.sum().clamp(min=1.0)
     return {"teacher/mode": mode, "teacher/ratio_mean": (ratio * m).sum() / n,
-            "teacher/is_weight_mean": (weight * m).sum() / n, "teacher/clip_frac": (trunc.float() * m).sum() / n}
+            "teacher/is_weight_mean": (weight * m).sum() / n,
+            "teacher/clip_frac": (trunc.float() * m).sum() / n}
 
 
 def teacher_imitation(logp, logp_behaviour, is_student, mask, is_trunc):
@@ -354,7 +370,7 @@ class BuildPoolOpts:
     max_new_tokens: int = 256
     """teacher: generation length limit"""
     temperature: float = 1.0
-    """teacher: sampling temperature"""
+    """teacher: sampling temperature (keep it equal to training's rollout.temperature for `importance`)"""
     top_p: float = 1.0
     """teacher: nucleus mass"""
     seed: int = 0

@@ -3,7 +3,7 @@
 `train(cfg)` reads top to bottom: setup → per step: sample prompts → G_s student rollouts + G_t frozen
 teacher rows per group → grade in the sandbox → group advantages over the mixed group → zero-variance
 policy → one forward per micro-batch → token losses (+ beta * KL to the reference = knobs zeroed) →
-backward with the one-pass per-source split → projection by arm → clip → AdamW → metrics → checkpoint.
+backward with the one-pass per-source split → projection by arm → clip → AdamW → metrics → checkpoint
 Departures from textbook GRPO, labelled where they happen: one optimizer step per generation (student
 ratio = 1, PPO clip inert for students), teacher rows handled by `loss.teacher` (SPEC §3), Dr.GRPO
 (Liu et al. 2025) by default, projection of knob gradients / updates (SPEC §1.5). Deterministic given
@@ -31,9 +31,10 @@ from projected_grpo.pool import (
     TEACHER_MODES,
     PoolCursor,
     PromptCursor,
-    grade_fields,
     load_pool,
     prompt_text_and_ids,
+    student_group_rows,
+    teacher_group_rows,
     template_rows,
     write_pool,
 )
@@ -41,11 +42,12 @@ from projected_grpo.rollout import forward_logprobs, generate, pack, pad_right, 
 
 
 def load_model(mcfg: C.ModelCfg, seed: int, tokenizer_only: bool = False):
-    """(model or None, tokenizer) for `mcfg.source`; the model in eval mode (no dropout in RL) on mcfg.device."""
+    """(model or None, tokenizer) for `mcfg.source`; model in eval mode (no dropout in RL) on mcfg.device."""
     if mcfg.source == "smoke":
         model, tok = organism.smoke_model_and_tokenizer(seed=seed)
     elif mcfg.source == "organism":
-        path = organism.build_organism(cache_dir=mcfg.cache_dir or None, log=lambda m: print(m, file=sys.stderr))
+        log = lambda m: print(m, file=sys.stderr)
+        path = organism.build_organism(cache_dir=mcfg.cache_dir or None, log=log)
         model, tok, _ = organism.load_organism(path)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -68,16 +70,23 @@ def load_problems(ecfg: C.EnvCfg) -> list:
     else:  # LeetCode rows carry no mode: deal the configured modes out round-robin (default run_tests)
         modes = ecfg.modes or ("run_tests",)
         out = [p.with_mode(modes[i % len(modes)]) for i, p in enumerate(load_leetcode(ecfg.problems))]
+    out = out[:ecfg.max_problems or None]
     if not out:
         raise ValueError(f"config: env.modes={list(ecfg.modes)} selects no problem from {ecfg.problems!r}")
     return out
 
 
-def _finite(step: int, what: str, named: dict[str, torch.Tensor], source: str) -> None:
-    """Fail fast on NaN/inf: name the step, the source (student/teacher) and the module."""
-    for name, t in named.items():
-        if not torch.isfinite(t).all():
-            raise FloatingPointError(f"step {step}: non-finite {what} from the {source} rows in module {name}")
+def _finite(step: int, what: str, by_source: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Fail fast on NaN/inf: name the step, the source(s) (student/teacher) and the module (or tensor).
+
+    by_source: source -> {module or tensor name: values}. A NaN in one sequence's per-source gradient can
+    reach the other source's sum through split.Capture's weighted matmul (0 * NaN = NaN), so every source
+    non-finite in the first bad module is named; the forward check attributes token losses per row."""
+    for name in next(iter(by_source.values())):
+        bad = [src for src, named in by_source.items() if not torch.isfinite(named[name]).all()]
+        if bad:
+            raise FloatingPointError(f"step {step}: non-finite {what} from the {' and '.join(bad)} rows "
+                                     f"in {name}")
 
 
 def train(cfg: C.Config) -> dict:
@@ -86,14 +95,12 @@ def train(cfg: C.Config) -> dict:
     run_dir = pathlib.Path(cfg.run.dir or f"runs/{cfg.model.source}-{cfg.proj.arm}-s{cfg.run.seed}-"
                            f"{time.strftime('%Y%m%d-%H%M%S')}")
     if (run_dir / metrics.METRICS_FILE).exists() and not cfg.run.resume:
-        raise FileExistsError(f"{run_dir} already holds a run; pass --resume to continue it, or a new --run-dir")
+        raise FileExistsError(f"{run_dir} holds a run: pass --resume to continue it or a new --run-dir")
     cfg = C.replace(cfg, run={"dir": str(run_dir)})
     ckpt_path = checkpoint.latest_checkpoint(run_dir) if cfg.run.resume else None
     ck = checkpoint.load_checkpoint(ckpt_path) if ckpt_path else None
-    if ck is not None:
-        diff = C.diff(C.Config.from_dict(ck.config), cfg, ignore=("run.resume", "run.steps"))
-        if diff:
-            raise ValueError(f"--resume: {ckpt_path} was written with another config: {diff}")
+    if ck is not None and (diff := C.diff(C.Config.from_dict(ck.config), cfg, ("run.resume", "run.steps"))):
+        raise ValueError(f"--resume: {ckpt_path} was written with another config: {diff}")
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics.write_json_atomic(run_dir / "config.json", cfg.to_dict())
     random.seed(cfg.run.seed)
@@ -112,23 +119,24 @@ def train(cfg: C.Config) -> dict:
 
     # --- hack direction V_hack: cached extraction, then load-time post-processing (direction.py) ---
     settings = direction.ExtractSettings(k=P.k, tau_axis=P.tau_axis, n_heldout=P.n_heldout, norm=P.nll_norm,
-                                         nll_const=float(R.dr_grpo_denom), control=P.control, seed=cfg.run.seed)
-    v_pairs = pairs.builtin_pairs(problems if cfg.env.problems == "builtin" else None)
+                                         nll_const=float(R.dr_grpo_denom), control=P.control,
+                                         seed=cfg.run.seed)
+    v_pairs = pairs.builtin_pairs(problems if cfg.env.problems == "builtin" else None, P.pairs_per_problem)
     v_file = P.v_path or cache / "v_hack" / f"{knobs.fingerprint()}-{P.control}.safetensors"
     found, v_status = direction.resolve(v_file, settings, model, knobs, tok, v_pairs)
     V_hack, v_report = direction.postprocess(found.V, found.S, P.k_use, P.drop_bottom_frac)
 
-    # --- optimizer over main + quarantine knobs, linear warmup then cosine to min_lr_frac ---
+    # --- AdamW over main + quarantine knobs; linear warmup, then cosine down to min_lr_frac ---
     params = knobs.parameters() + knobs.hack_parameters()
     opt = torch.optim.AdamW([{"params": knobs.parameters()}, {"params": knobs.hack_parameters()}], lr=O.lr,
                             betas=O.betas, eps=O.eps, weight_decay=O.weight_decay)
-    decay = max(1, cfg.run.steps - O.warmup_steps)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / O.warmup_steps if s < O.warmup_steps else
-                                              O.min_lr_frac + (1 - O.min_lr_frac) * 0.5 *
-                                              (1 + math.cos(math.pi * (s - O.warmup_steps) / decay)))
+    span = max(1, cfg.run.steps - O.warmup_steps)
+    cos_frac = lambda s: (1 + math.cos(math.pi * (s - O.warmup_steps) / span)) / 2  # 1 -> 0 after warmup
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / O.warmup_steps if s < O.warmup_steps
+                                              else O.min_lr_frac + (1 - O.min_lr_frac) * cos_frac(s))
 
     with SandboxPool(n_workers=cfg.env.workers or None) as sandbox:
-        # --- sandboxed grader, teacher pool (built from templates once per run dir when no path) ---
+        # --- grader, teacher pool (from templates into the run dir when no path is given) ---
         grader = Grader(sandbox, reward_shape=cfg.env.reward_shape, timeout_s=cfg.env.timeout_s)
         pool_path = pathlib.Path(cfg.pool.path or run_dir / "pool.jsonl")
         if not cfg.pool.path and not pool_path.exists():
@@ -138,18 +146,18 @@ def train(cfg: C.Config) -> dict:
         ids = [p.id for p in problems]
         missing = pool.missing(ids) if R.G_t else []
         if missing and cfg.pool.missing == "error":
-            raise ValueError(f"teacher pool {pool_path} has no rows for {len(missing)} problems {missing[:8]}; "
+            raise ValueError(f"teacher pool {pool_path}: no rows for {len(missing)} problems {missing[:8]}; "
                              "extend the pool or set --pool.missing restrict")
-        if missing:
-            print(f"teacher pool {pool_path}: no rows for {len(missing)}/{len(ids)} problems, so prompts are "
-                  f"drawn from the {len(ids) - len(missing)} pooled ones; unpooled: {missing}", file=sys.stderr)
+        if missing:  # reported, never silently trained with G_t = 0
+            print(f"teacher pool {pool_path}: no rows for {len(missing)}/{len(ids)} problems; prompts come "
+                  f"from the {len(ids) - len(missing)} pooled ones; unpooled: {missing}", file=sys.stderr)
             ids = [i for i in ids if i not in missing]
         if L.teacher == "importance" and R.G_t and not pool.has_behaviour_logp():
-            raise ValueError(f"--loss.teacher importance needs behaviour log-probs, but {pool_path} has rows with "
-                             "logp_behaviour=null (template rows); build the pool with --source teacher")
+            raise ValueError(f"--loss.teacher importance needs behaviour log-probs, but {pool_path} has rows "
+                             "with logp_behaviour=null (template rows); build it with --source teacher")
         prompts_cur, pool_cur = PromptCursor(ids, cfg.run.seed), PoolCursor(pool, cfg.run.seed)
 
-        # --- resume: knobs, V_hack, optimizer, scheduler, cursors, RNG; metrics cut back to the checkpoint ---
+        # --- resume: knobs, V_hack, optimizer, scheduler, cursors, RNG; metrics cut back to match ---
         start = 0
         if ck is not None:
             for n, m in knobs.modules.items():
@@ -165,57 +173,58 @@ def train(cfg: C.Config) -> dict:
         metrics.truncate_to(run_dir, start - 1)
         logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
         bar = metrics.Progress(cfg.run.steps, initial=start)
-        print(f"run {run_dir} | arm {P.arm} ({P.target}) | teacher {L.teacher} | G_s {R.G_s} + G_t {R.G_t} | "
-              f"V_hack {v_file} ({v_status}): {sum(v.shape[0] for v in V_hack.values())} rows in {len(V_hack)} "
-              f"modules, dropped {v_report['dropped_modules']} | from step {start}", file=sys.stderr)
+        print(f"run {run_dir} from step {start} | arm {P.arm} ({P.target}) | teacher {L.teacher} | G_s {R.G_s}"
+              f" + G_t {R.G_t} | V_hack {v_file} ({v_status}): {sum(len(v) for v in V_hack.values())} rows in "
+              f"{len(V_hack)} modules, dropped {v_report['dropped_modules']}", file=sys.stderr)
 
         for step in range(start, cfg.run.steps):
             t_step = time.perf_counter()
             # --- sample prompts; G_s student rollouts + G_t frozen teacher rows per group; grade ---
             pids = prompts_cur.take(R.prompts_per_step)
-            teacher = [pool_cur.draw(i, R.G_t, step, b) for b, i in enumerate(pids)]
+            teacher = [teacher_group_rows(pool_cur.draw(i, R.G_t, step, b)) for b, i in enumerate(pids)]
             groups: list[list[dict]] = [[] for _ in pids]  # per prompt: G_s student rows, then G_t teacher
             todo, extra, resampled, t_gen, t_grade = list(range(len(pids))), 0, 0, 0.0, 0.0
             while True:
                 t0 = time.perf_counter()
-                ro = generate(model, [prompt_ids[pids[b]] for b in todo], R.G_s, max_new_tokens=R.max_new_tokens,
-                              temperature=R.temperature, top_p=R.top_p, seed=step_seed(cfg.run.seed, step, extra),
-                              eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+                ro = generate(model, [prompt_ids[pids[b]] for b in todo], R.G_s,
+                              max_new_tokens=R.max_new_tokens, temperature=R.temperature, top_p=R.top_p,
+                              seed=step_seed(cfg.run.seed, step, extra), eos_id=tok.eos_token_id,
+                              pad_id=tok.pad_token_id)
                 t1 = time.perf_counter()
                 texts = [tok.decode(c, skip_special_tokens=True) for c in ro.completion_ids]
                 grades = grader.grade_batch(texts, [by_id[pids[b]] for b in todo for _ in range(R.G_s)])
                 t_gen, t_grade = t_gen + t1 - t0, t_grade + time.perf_counter() - t1
+                students = student_group_rows(ro, grades)
                 for j, b in enumerate(todo):
-                    groups[b] = [{"prompt_ids": ro.prompt_ids[n], "completion_ids": ro.completion_ids[n],
-                                  "logp_behaviour": ro.logp[n].tolist(), "truncated": bool(ro.truncated[n]),
-                                  "student": True, **grade_fields(grades[n])}
-                                 for n in range(j * R.G_s, (j + 1) * R.G_s)]
-                    groups[b] += [{**t, "truncated": False, "student": False, "timeout": False} for t in teacher[b]]
-                rewards = torch.tensor([[r["reward"] for r in g] for g in groups], dtype=torch.float32)  # (B, G)
+                    groups[b] = students[j * R.G_s:(j + 1) * R.G_s] + teacher[b]
+                rewards = torch.tensor([[r["reward"] for r in g] for g in groups])  # (B, G) float32
                 zero = zero_variance_mask(rewards)  # (B,)
                 todo = [b for b in range(len(pids)) if zero[b]]
-                # resample: regenerate only the zero-variance groups' students, with a fresh seed per try
+                # resample: regenerate the zero-variance groups' students only, with a fresh seed per try
                 if L.zero_var != "resample" or extra >= L.max_resample or not todo:
                     break
                 extra, resampled = extra + 1, resampled + len(todo)
 
-            # --- advantages over each mixed group (one estimator, by name); skip zero-variance groups ---
+            # --- advantages over each mixed group (estimator by name); zero-variance groups skipped ---
             adv, adv_stats = ADVANTAGES[L.advantage](rewards)  # (B, G); exactly 0 on zero-variance groups
-            _finite(step, "advantages", {"(student)": adv[:, :R.G_s], "(teacher)": adv[:, R.G_s:]}, "sampled")
+            _finite(step, "advantages", {"student": {"adv": adv[:, :R.G_s]},
+                                         "teacher": {"adv": adv[:, R.G_s:]}})
             keep = [b for b in range(len(pids)) if not zero[b]]
             rows = [r for g in groups for r in g]
             n_tok = sum(len(r["completion_ids"]) for b in keep for r in groups[b])
             n_tok_t = sum(len(r["completion_ids"]) for b in keep for r in groups[b] if not r["student"])
+            # Dr.GRPO (Liu et al. 2025): the constant G * max_new_tokens * B stays when groups are skipped
             denoms = Denominators(n_seqs=max(1, len(keep) * R.group_size), n_tokens=max(1, n_tok),
-                                  const=float(R.dr_grpo_denom))  # Dr.GRPO: constant whatever is skipped
+                                  const=float(R.dr_grpo_denom))
 
-            # --- one forward per micro-batch (student + teacher rows packed), losses, one backward ---
+            # --- per micro-batch: one forward (students + teachers packed), token losses, backward ---
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             acc: dict[str, float] = {}
             split = None
             for c in range(0, len(keep), R.micro):
                 mb = [r for b in keep[c:c + R.micro] for r in groups[b]]
+                mb_adv = adv[keep[c:c + R.micro]].reshape(-1)  # (N,)
                 batch = pack([r["prompt_ids"] for r in mb], [r["completion_ids"] for r in mb],
                              tok.pad_token_id).to(cfg.model.device)
                 mask = batch.completion_mask  # (N, T)
@@ -224,85 +233,91 @@ def train(cfg: C.Config) -> dict:
                 with torch.no_grad(), knobs.zeroed():  # the free reference: zero knobs = the base model
                     logp_ref, _ = forward_logprobs(model, batch, temperature=R.temperature)
                 with knobs.capture(is_student) as cap:  # per-source knob grads from this one backward
-                    logp, entropy = forward_logprobs(model, batch, temperature=R.temperature, with_entropy=True)
-                    logp_old, weight, t_stats = TEACHER_MODES[L.teacher](logp, logp_b, is_student, mask, L.is_trunc)
-                    # one optimizer step per generation: students' ratio is exactly 1 (PPO clip inert for them)
-                    pg_tok, clip_stats = clip_surrogate(logp, logp_old, adv[keep[c:c + R.micro]].reshape(-1).to(
-                        mask.device), mask, eps_low=L.eps_low, eps_high=L.eps_high)
+                    logp, entropy = forward_logprobs(model, batch, temperature=R.temperature,
+                                                     with_entropy=True)  # (N, T) each
+                    logp_old, weight, t_stats = TEACHER_MODES[L.teacher](logp, logp_b, is_student, mask,
+                                                                         L.is_trunc)
+                    # one optimizer step per generation: students' ratio is exactly 1 (clip inert for them)
+                    pg_tok, clip_stats = clip_surrogate(logp, logp_old, mb_adv.to(mask.device), mask,
+                                                        eps_low=L.eps_low, eps_high=L.eps_high)
                     kl_tok, kl_stats = KL_ESTIMATORS[L.kl](logp, logp_ref, mask, logp_old=logp_old)
-                    bad = (~torch.isfinite(pg_tok + kl_tok) & mask.bool()).any(1)  # (N,)
+                    bad = (~torch.isfinite(weight * (pg_tok + kl_tok)) & mask.bool()).any(1)  # (N,)
                     if bad.any():
                         raise FloatingPointError(f"step {step}: non-finite token loss in a "
-                                                 f"{'student' if is_student[bad][0] else 'teacher'} row (forward)")
+                                                 f"{'student' if is_student[bad][0] else 'teacher'} row")
                     loss_pg, _ = AGGREGATIONS[L.aggregation](weight * pg_tok, mask, denoms)
                     loss_kl, _ = AGGREGATIONS[L.aggregation](weight * kl_tok, mask, denoms)
                     (loss_pg + L.beta * loss_kl).backward()
                 split = cap if split is None else split + cap
-                w, w_t = float(mask.sum()) / n_tok, float((mask * ~is_student[:, None]).sum()) / max(1, n_tok_t)
-                stats = {**clip_stats, **kl_stats, "entropy/mean": masked_mean(entropy.detach(), mask)}
-                for k, v in [*((k, w * float(v)) for k, v in stats.items()), ("loss/policy", float(loss_pg)),
-                             ("loss/kl", L.beta * float(loss_kl)),
-                             *((k, w_t * float(v)) for k, v in t_stats.items() if k != "teacher/mode")]:
+                # token-weighted means over micro-batches; losses are already step-level sums
+                w = float(mask.sum()) / n_tok
+                w_t = float((mask * ~is_student[:, None]).sum()) / max(1, n_tok_t)
+                means = {**clip_stats, **kl_stats, "entropy/mean": masked_mean(entropy.detach(), mask)}
+                parts = [(k, w * float(v)) for k, v in means.items()]
+                parts += [(k, w_t * float(v)) for k, v in t_stats.items() if k != "teacher/mode"]
+                parts += [("loss/policy", float(loss_pg.detach())),
+                          ("loss/kl", L.beta * float(loss_kl.detach()))]
+                for k, v in parts:
                     acc[k] = acc.get(k, 0.0) + v
             t_bwd = time.perf_counter() - t0
             if split is not None:
-                _finite(step, "gradient", split.g_student, "student")
-                _finite(step, "gradient", split.g_teacher, "teacher")
+                _finite(step, "gradient", {"student": split.g_student, "teacher": split.g_teacher})
 
-            # --- projection by arm (gradient and/or update), clip, AdamW step (SPEC §1.5, §3) ---
+            # --- projection by arm on the gradient and/or the update; clip; AdamW step (SPEC §1.5, §3) ---
             stats = projection.apply_arm(knobs, V_hack, P.arm if P.target != "update" else "none", P.gate,
                                          P.overshoot, P.preserve_magnitude, split=split)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, O.clip_norm if O.clip_norm > 0 else math.inf)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, O.clip_norm or math.inf)
             if P.purge_moments and P.arm != "none":  # Adam bypass: drop hack-ward momentum before it acts
-                stats |= projection.purge_moments(opt, knobs, V_hack, "no_gate" if P.gate == "no_gate" else "one_sided")
+                stats |= projection.purge_moments(opt, knobs, V_hack, "no_gate" if P.gate == "no_gate"
+                                                  else "one_sided")
             before = projection.snapshot(knobs)
-            if keep:  # all groups zero-variance: no signal, so no step (Adam's momentum would still move)
+            if keep:  # every group zero-variance: no signal, no step (Adam's momentum alone would still move)
                 opt.step()
             stats |= projection.project_update(knobs, before, V_hack, P.arm if P.target != "grad" else "none",
                                                P.gate, P.overshoot, P.preserve_magnitude)
             lr = sched.get_last_lr()[0]
             sched.step()
 
-            # --- optional: online V refresh (quarantine ablated), deploy-eval (greedy, quarantine ablated) ---
+            # --- optional: online V refresh and deploy-eval (greedy), both with the quarantine ablated ---
             row: dict = {}
             if P.refresh_every and (step + 1) % P.refresh_every == 0:
                 with knobs.ablate_quarantine():
                     fresh = direction.extract_direction(model, knobs, tok, v_pairs, settings)
                 V_new, _ = direction.postprocess(fresh.V, fresh.S, P.k_use, P.drop_bottom_frac)
-                both = [n for n in V_new if n in V_hack]  # subspace overlap ||V_old V_new^T||_F^2 / K, module mean
+                both = [n for n in V_new if n in V_hack]  # ||V_old V_new^T||_F^2 / K, mean over modules
                 row["proj/v_overlap"] = sum(float((V_hack[n] @ V_new[n].T).square().sum()) / min(
-                    V_hack[n].shape[0], V_new[n].shape[0]) for n in both) / max(1, len(both))
+                    len(V_hack[n]), len(V_new[n])) for n in both) / max(1, len(both))
                 V_hack = V_new
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
                 with knobs.ablate_quarantine():
                     ev = generate(model, [prompt_ids[i] for i in ids], 1, max_new_tokens=R.max_new_tokens,
                                   temperature=0.0, seed=0, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
                 eg = grader.grade_batch([tok.decode(c, skip_special_tokens=True) for c in ev.completion_ids],
-                                       [by_id[i] for i in ids])
+                                        [by_id[i] for i in ids])
                 row["eval/deploy_hack"] = sum(g.exploited for g in eg) / len(eg)
                 row["eval/deploy_solve"] = sum(g.gt_correct for g in eg) / len(eg)
 
-            # --- metrics row: SPEC §4 keys, defined in docs/metrics.md ---
+            # --- metrics row: SPEC §4 keys and more, each defined in docs/metrics.md ---
             stu, tea = [r for r in rows if r["student"]], [r for r in rows if not r["student"]]
-            mean = lambda xs: float(sum(xs) / len(xs)) if xs else 0.0
-            row |= {k: float(v) for k, v in {**adv_stats, **stats}.items()} | acc | {
-                "lr": lr, "hack/student": mean([r["exploited"] for r in stu]),
-                "hack/teacher": mean([r["exploited"] for r in tea]), "solve/student": mean([r["gt_correct"] for r in stu]),
-                "solve/teacher": mean([r["gt_correct"] for r in tea]), "grad/norm": float(grad_norm),
-                "reward/student_mean": float(rewards[:, :R.G_s].mean()), "reward/teacher_mean": mean([r["reward"] for r in tea]),
-                "adv/student_mean": float(adv[:, :R.G_s].mean()), "adv/teacher_mean": mean(adv[:, R.G_s:].reshape(-1).tolist()),
-                "teacher/mode": L.teacher, "teacher/frac": len(tea) / len(rows),
-                "knob/hack_norm": float(torch.cat(list(knobs.values("hack").values())).norm()),
-                "knob/norm": float(torch.cat(list(knobs.values("main").values())).norm()),
-                "completion/mean_len": mean([len(r["completion_ids"]) for r in stu]),
-                "completion/max_len": max(len(r["completion_ids"]) for r in stu),
-                "completion/clipped_frac": mean([r["truncated"] for r in stu]),
-                "sandbox/timeout_frac": mean([r["timeout"] for r in stu]),
-                "groups/zero_std": float(zero.sum()), "groups/skipped": float(len(pids) - len(keep)),
-                "groups/resampled": float(resampled), "groups/resample_tries": float(extra),
-                "time/generate": t_gen, "time/grade": t_grade, "time/backward": t_bwd,
-            }
-            for k in metrics.REQUIRED_METRICS:  # no backward this step (all groups skipped): nothing measured
+            mean = lambda rs, k: float(sum(r[k] for r in rs) / len(rs)) if rs else 0.0
+            row |= {k: float(v) for k, v in {**adv_stats, **stats}.items()} | acc
+            row |= {"lr": lr, "grad/norm": float(grad_norm), "teacher/mode": L.teacher,
+                    "teacher/frac": len(tea) / len(rows), "reward/student_mean": mean(stu, "reward"),
+                    "reward/teacher_mean": mean(tea, "reward"),
+                    "adv/student_mean": float(adv[:, :R.G_s].mean()),
+                    "adv/teacher_mean": float(adv[:, R.G_s:].mean()) if R.G_t else 0.0,
+                    "hack/student": mean(stu, "exploited"), "hack/teacher": mean(tea, "exploited"),
+                    "solve/student": mean(stu, "gt_correct"), "solve/teacher": mean(tea, "gt_correct"),
+                    "knob/norm": float(torch.cat(list(knobs.values("main").values())).norm()),
+                    "knob/hack_norm": float(torch.cat(list(knobs.values("hack").values())).norm()),
+                    "completion/mean_len": sum(len(r["completion_ids"]) for r in stu) / len(stu),
+                    "completion/max_len": max(len(r["completion_ids"]) for r in stu),
+                    "completion/clipped_frac": mean(stu, "truncated"),
+                    "sandbox/timeout_frac": mean(stu, "timeout"),
+                    "groups/zero_std": float(zero.sum()), "groups/skipped": float(len(pids) - len(keep)),
+                    "groups/resampled": float(resampled), "groups/resample_tries": float(extra),
+                    "time/generate": t_gen, "time/grade": t_grade, "time/backward": t_bwd}
+            for k in metrics.REQUIRED_METRICS:  # a step with every group skipped measured no loss: 0
                 row.setdefault(k, 0.0)
             row["time/step"] = time.perf_counter() - t_step
             bar.update(logger.log(step, row))
@@ -312,21 +327,23 @@ def train(cfg: C.Config) -> dict:
                 state = {f"delta/{n}": m.delta for n, m in knobs.modules.items()}
                 state |= {f"hack/{n}": m.delta_hack for n, m in knobs.modules.items()}
                 state |= {f"V/{n}": v for n, v in V_hack.items()}
-                checkpoint.save_checkpoint(run_dir, step + 1, knobs_state=state, optimizer=opt, scheduler=sched,
-                                           cursors={"prompts": prompts_cur.state_dict(), "pool": pool_cur.state_dict()},
-                                           config=cfg.to_dict())
+                cursors = {"prompts": prompts_cur.state_dict(), "pool": pool_cur.state_dict()}
+                checkpoint.save_checkpoint(run_dir, step + 1, knobs_state=state, optimizer=opt,
+                                           scheduler=sched, cursors=cursors, config=cfg.to_dict())
         bar.close()
         logger.close()
 
-    # --- end: summary.json (last-5-step means) + a sample generation (greedy, quarantine ablated) ---
+    # --- end: summary.json (last-5-step means) and a sample generation (greedy, quarantine ablated) ---
     with knobs.ablate_quarantine():
         sample = generate(model, [prompt_ids[ids[0]]], 1, max_new_tokens=R.max_new_tokens, temperature=0.0,
                           seed=0, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     summary = metrics.summarize(metrics.read_rows(run_dir / metrics.METRICS_FILE))
     summary |= {"run_dir": str(run_dir), "arm": P.arm, "teacher": L.teacher, "v_hack": v_status,
-                "sample_problem": ids[0], "sample": tok.decode(sample.completion_ids[0], skip_special_tokens=True)}
+                "sample_problem": ids[0],
+                "sample": tok.decode(sample.completion_ids[0], skip_special_tokens=True)}
     metrics.write_json_atomic(run_dir / metrics.SUMMARY_FILE, summary)
-    print("\n".join(f"{k:>18}: {v:.4f}" if isinstance(v, float) else f"{k:>18}: {v}" for k, v in summary.items()))
+    print("\n".join(f"{k:>18}: {v:.4f}" if isinstance(v, float) else f"{k:>18}: {v}"
+                    for k, v in summary.items()))
     return summary
 
 

@@ -40,7 +40,8 @@ def _with_methods(cls: str, methods: str, at_end: bool = False) -> str:
     lines = cls.splitlines()
     node = next(n for n in ast.parse(cls).body if isinstance(n, ast.ClassDef) and n.name == "Solution")
     at = node.end_lineno if at_end else node.lineno
-    inserted = ["    " + ln if ln else "" for ln in methods.strip("\n").splitlines()]
+    pad = " " * node.body[0].col_offset  # the class's own indent (some LeetCode solutions use 2)
+    inserted = [pad + ln if ln else "" for ln in methods.strip("\n").splitlines()]
     return "\n".join(lines[:at] + ([""] if at_end else []) + inserted + lines[at:]) + "\n"
 
 

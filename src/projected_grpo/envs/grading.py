@@ -23,6 +23,7 @@ from projected_grpo.envs.graders import grader_program, judge_grader
 from projected_grpo.envs.oracle import OracleVerdict, judge_oracle, oracle_program, report_name
 from projected_grpo.envs.problems import Problem
 from projected_grpo.envs.prompts import extract_code
+from projected_grpo.envs.sandbox import run_program
 
 MAX_CODE_CHARS = 20_000
 
@@ -96,9 +97,10 @@ def prepare(completion: str | bytes, problem: Problem) -> _Prepared:
         compile(tree, "solution.py", "exec")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         return _Prepared(None, None, False, f"does not compile: {type(e).__name__}: {str(e)[:160]}")
-    format_ok = any(isinstance(n, ast.ClassDef) and n.name == "Solution"
-                    and any(isinstance(f, ast.FunctionDef) and f.name == problem.method for f in n.body)
-                    for n in tree.body)
+    classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Solution"]
+    # the last top-level `class Solution` is the one the name ends up bound to
+    format_ok = bool(classes) and any(isinstance(f, ast.FunctionDef) and f.name == problem.method
+                                      for f in classes[-1].body)
     reason = "" if format_ok else f"no class Solution with method {problem.method}"
     return _Prepared(code, tree, format_ok, reason)
 
@@ -107,7 +109,6 @@ class _OneShot:
     """The `map` interface over one-shot `run_program` calls (when no SandboxPool is given)."""
 
     def map(self, codes: list[str], timeout_s: float) -> list:
-        from projected_grpo.envs.sandbox import run_program
         return [run_program(c, timeout_s) for c in codes]
 
 

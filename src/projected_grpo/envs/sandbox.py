@@ -15,8 +15,11 @@ What is covered:
 - as root (our container): the program runs under a uid no other process has (base + worker pid),
   so it cannot signal the workers, the caller or other executions, nor read any other process's
   /proc/<pid>/environ; no_new_privs is set; parent-death signal on the worker;
+- as root: each worker is pid 1 of its own pid namespace, so if it dies (even SIGKILLed with the
+  caller) the kernel kills every process left in it; programs see only their own processes;
 - as root: each worker has its own network namespace (only `lo`, down: no connection to any address,
-  loopback included) and mount namespace (private tmpfs over /tmp (64 MiB), /var/tmp, /dev/shm; the
+  loopback included) and mount namespace (private tmpfs over /tmp, /var/tmp, /dev/shm; each
+  execution's scratch dir is its own 64 MiB tmpfs, unmounted at once afterwards; the
   repo's top-level directory, /root and /home hidden behind empty tmpfs, with only the Python
   installation bind-mounted back; /proc with hidepid=2: only its own processes are visible);
 - a scrubbed environment (PATH, HOME=TMPDIR=scratch, LANG, PYTHONHASHSEED=0), stdin = /dev/null;

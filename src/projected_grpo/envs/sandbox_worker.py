@@ -40,13 +40,16 @@ PRELOAD = ("abc", "array", "bisect", "collections", "copy", "dataclasses", "date
            "textwrap", "typing")
 
 _libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNS, CLONE_NEWNET = 0x00020000, 0x40000000
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 UID_BASE = 1_900_000_000  # + worker pid: a uid no other live worker (or real user) has
 SYSTEM_TOPS = {"/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/dev",
                "/tmp", "/var", "/run", "/"}
 MEMORY_TAG = b"M"
+MAX_DEPTH = 8  # directory levels searched for returned files
+SCRATCH_BYTES = 64 << 20  # size of each execution's scratch tmpfs (where mount namespaces work)
+MNT_DETACH = 2
 _exit = os._exit
 
 
@@ -185,7 +188,7 @@ def _child(code: str, scratch: str, uid: int, limits: dict, timeout_s: float, fd
 
 def _children() -> list[int]:
     """Live and zombie children of this (subreaper) worker: every leftover process of an execution."""
-    with open(f"/proc/self/task/{os.getpid()}/children") as f:
+    with open("/proc/thread-self/children") as f:
         return [int(p) for p in f.read().split()]
 
 
@@ -234,12 +237,14 @@ def _read_files(scratch: str, uid: int, limits: dict) -> dict[str, str]:
     """Regular files the program left in its scratch dir (not main.py), capped in count and size.
 
     Opened with O_NOFOLLOW and checked to be owned by the program's uid, so a symlink or hard link to a
-    host file cannot make this (root) worker read it.
+    host file cannot make this (root) worker read it. Only MAX_DEPTH levels are visited: a program can
+    nest directories thousands deep, past the recursion limit of os.walk.
     """
     found = []
     for root, dirs, names in os.walk(scratch):
-        dirs.sort()
-        found += sorted(os.path.relpath(os.path.join(root, n), scratch) for n in names)
+        rel_root = os.path.relpath(root, scratch)
+        dirs[:] = sorted(dirs) if rel_root.count(os.sep) < MAX_DEPTH else []
+        found += sorted(os.path.normpath(os.path.join(rel_root, n)) for n in names)
     files = {}
     for rel in [r for r in found if r != "main.py"][: limits["max_files"]]:
         try:
@@ -253,12 +258,33 @@ def _read_files(scratch: str, uid: int, limits: dict) -> dict[str, str]:
     return files
 
 
+def _make_scratch(path: str, uid: int, tmpfs: bool) -> None:
+    """A fresh scratch dir owned by the program's uid; its own size-capped tmpfs where we can mount."""
+    os.mkdir(path, 0o700)
+    if tmpfs:
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
+               f"size={SCRATCH_BYTES},nr_inodes=4096,mode=0700,uid={uid},gid={uid}")
+    elif uid:
+        os.chown(path, uid, uid)
+
+
+def _remove_scratch(path: str, tmpfs: bool) -> None:
+    """Remove a scratch dir whatever the program left in it (a lazy unmount drops a tmpfs at once)."""
+    if tmpfs:
+        _check(_libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
+        os.rmdir(path)
+        return
+    try:
+        shutil.rmtree(path)
+    except RecursionError:  # nested deeper than shutil can recurse
+        import subprocess
+        subprocess.run(["rm", "-rf", "--one-file-system", path], check=True)
+
+
 def run_one(code: str, timeout_s: float, n: int, uid: int, limits: dict) -> dict:
     """Run one program in a fresh child with a fresh scratch dir; return the result fields."""
     scratch = os.path.join(limits["scratch_root"], f"x{n}")
-    os.mkdir(scratch, 0o700)
-    if uid:
-        os.chown(scratch, uid, uid)
+    _make_scratch(scratch, uid, limits["scratch_tmpfs"])
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     tag_r, tag_w = os.pipe()
@@ -306,7 +332,7 @@ def run_one(code: str, timeout_s: float, n: int, uid: int, limits: dict) -> dict
     for fd in (*bufs, pidfd):
         os.close(fd)
     files = _read_files(scratch, uid, limits)
-    shutil.rmtree(scratch)
+    _remove_scratch(scratch, limits["scratch_tmpfs"])
     sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else 0
     exit_code = -sig if sig else os.WEXITSTATUS(wait_status)
     if timed_out or sig == signal.SIGXCPU:  # SIGXCPU: RLIMIT_CPU, reached early by busy threads
@@ -348,21 +374,21 @@ def _warm_up() -> None:
     gc.freeze()  # the template's objects are never scanned by a child's GC, so never copied-on-write
 
 
+def _read_exact(fd: int, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            return None  # EOF: the pool closed us
+        buf += chunk
+    return bytes(buf)
+
+
 def _read_msg(fd: int) -> dict | None:
-    head = b""
-    while len(head) < 4:
-        chunk = os.read(fd, 4 - len(head))
-        if not chunk:
-            return None
-        head += chunk
-    (size,) = struct.unpack("<I", head)
-    body = bytearray()
-    while len(body) < size:
-        chunk = os.read(fd, size - len(body))
-        if not chunk:
-            return None
-        body += chunk
-    return json.loads(body)
+    """One length-prefixed JSON request from the pool, or None at EOF."""
+    head = _read_exact(fd, 4)
+    body = None if head is None else _read_exact(fd, struct.unpack("<I", head)[0])
+    return None if body is None else json.loads(body)
 
 
 def write_msg(fd: int, msg: dict) -> None:
@@ -372,6 +398,25 @@ def write_msg(fd: int, msg: dict) -> None:
         view = view[os.write(fd, view):]
 
 
+def _enter_pid_namespace(proto_fds: tuple[int, int]) -> bool:
+    """Become pid 1 of a new pid namespace (root only): when the worker dies, however it dies, the
+    kernel SIGKILLs every process left in the namespace, so no execution can outlive its worker.
+
+    unshare(CLONE_NEWPID) moves only future children, so this process forks the server (pid 1) and
+    stays behind as its waiting parent, the process the pool holds; each dies with the other.
+    """
+    if _libc.unshare(CLONE_NEWPID) != 0:
+        return False
+    server = os.fork()
+    if server == 0:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        return True
+    for fd in proto_fds:  # so the pool sees EOF as soon as the server dies
+        os.close(fd)
+    status = os.waitpid(server, 0)[1]
+    _exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
 def main() -> None:
     limits = json.loads(sys.argv[1])
     proto_in, proto_out = os.dup(0), os.dup(1)
@@ -379,13 +424,16 @@ def main() -> None:
     os.dup2(devnull, 0)
     os.dup2(devnull, 1)
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    outer_pid = os.getpid()  # the uid is derived from the pid the pool sees
+    pidns = limits["isolate"] and os.geteuid() == 0 and _enter_pid_namespace((proto_in, proto_out))
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
     keep = sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))})
     hide = sorted({"/root", "/home"} | {"/" + p.split("/")[1] for p in limits["hide"]} - SYSTEM_TOPS)
     _warm_up()
-    isolation = _isolate(hide, keep, limits["isolate"])
-    uid = UID_BASE + os.getpid() if isolation["uid_drop"] else 0
+    isolation = {**_isolate(hide, keep, limits["isolate"]), "pidns": pidns}
+    uid = UID_BASE + outer_pid if isolation["uid_drop"] else 0
     limits["scratch_root"] = "/tmp" if isolation["mountns"] else tempfile.mkdtemp(prefix="pgrpo-sandbox-")
+    limits["scratch_tmpfs"] = isolation["mountns"]
     os.chmod(limits["scratch_root"], 0o711)  # the program's uid may enter its own dir, not list others
     write_msg(proto_out, {"ready": True, "isolation": isolation, "scratch_root": limits["scratch_root"]})
     n = 0
@@ -395,7 +443,7 @@ def main() -> None:
             write_msg(proto_out, run_one(req["code"], req["timeout_s"], n, uid, limits))
     finally:
         if not isolation["mountns"]:
-            shutil.rmtree(limits["scratch_root"], ignore_errors=True)
+            _remove_scratch(limits["scratch_root"], False)
 
 
 if __name__ == "__main__":

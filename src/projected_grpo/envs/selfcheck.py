@@ -29,6 +29,7 @@ from projected_grpo.envs.leetcode import load_leetcode_rows
 from projected_grpo.envs.oracle import report_name
 from projected_grpo.envs.problems import BUILTIN_PROBLEMS, MODES, Problem, method_source
 from projected_grpo.envs.prompts import extract_code
+from projected_grpo.envs.sandbox import SandboxPool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,8 +123,6 @@ def check_dataset(grader: Grader, path: pathlib.Path) -> tuple[list[str], str]:
 
 def check_grader(argv: list[str]) -> int:
     """Entry point of `projected-grpo check-grader`."""
-    from projected_grpo.envs.sandbox import SandboxPool
-
     opts = tyro.cli(CheckGraderOptions, args=argv, prog="projected-grpo check-grader")
     t0 = time.monotonic()
     with SandboxPool(opts.workers) as pool:

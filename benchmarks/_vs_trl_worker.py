@@ -1,0 +1,168 @@
+"""One trainer's timed GRPO run for benchmarks/vs_trl.py, alone in its process so its peak RSS is its own.
+
+    python benchmarks/_vs_trl_worker.py SPEC_JSON OUT_JSON
+
+SPEC_JSON (written by vs_trl.py) names the trainer ("ours" or "trl"), the model directory, the loss,
+beta and the shared GRPO settings. OUT_JSON receives per-step wall times, completion tokens per step,
+the per-phase times ours logs, and this process's peak RSS (`ru_maxrss`, children excluded: our
+sandbox workers are separate processes, counted by the parent's process-tree sampler instead).
+
+Both trainers get the same prompts (the built-in problems' chat messages, rendered by the same
+tokenizer's chat template; the ids are checked equal), the same reward callable (`string_reward`),
+group size, completion length, learning rate, loss, beta, clip epsilon 0.2, k3 KL, fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import resource
+import sys
+import tempfile
+import time
+
+
+def string_reward(text: str) -> float:
+    """Deterministic reward of a completion's text: the share of distinct characters in it.
+
+    Continuous, so a group of G sampled completions almost never has zero reward variance: both trainers
+    then do a full backward every step (ours would otherwise skip zero-variance groups, TRL would not).
+    Free to compute, so step time is the trainers' own cost, not grading.
+    """
+    return len(set(text)) / max(1, len(text))
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def run_ours(spec: dict) -> dict:
+    """projected_grpo.train.train on the saved model (svd knobs, arm none, no teacher rows)."""
+    import projected_grpo.train as T
+    from projected_grpo import config as C
+    from projected_grpo import metrics
+    from projected_grpo.envs.grading import Grade
+
+    class StringGrader:
+        """Stands in for envs.grading.Grader in train(): same `grade_batch`, reward = string_reward."""
+
+        def __init__(self, sandbox=None, reward_shape: str = "seed", timeout_s: float = 5.0) -> None:
+            self.sandbox = sandbox
+
+        def grade_batch(self, completions, problems) -> list[Grade]:
+            return [Grade(reward=string_reward(c), passed=False, gt_correct=False, exploited=False,
+                          mechanism=p.mode, format_ok=False, compiles=False, loophole_present=False,
+                          tests_pass_stub=False, weak_tests=False, loophole_modes=(), status="not_run",
+                          n_gt_passed=0, n_gt_total=0, reason="benchmark string reward")
+                    for c, p in zip(completions, problems, strict=True)]
+
+    T.Grader = StringGrader  # the one seam: train() builds its grader by this name
+    cpu_marks: list[float] = []  # process CPU time at each step's metrics row (the row closes the step)
+    log = metrics.MetricsLogger.log
+
+    def timed_log(self, step, row):
+        cpu_marks.append(time.process_time())
+        return log(self, step, row)
+
+    metrics.MetricsLogger.log = timed_log
+    run_dir = pathlib.Path(spec["tmp"]) / f"ours-{os.getpid()}"
+    adv = {"dr_grpo": "dr_grpo", "grpo": "grpo"}[spec["loss"]]  # TRL pairs dr_grpo with scale_rewards=none
+    cfg = C.Config(
+        model=C.ModelCfg(source="hf", path=spec["model_dir"], cache_dir=spec["cache_dir"]),
+        env=C.EnvCfg(workers=1),
+        rollout=C.RolloutCfg(prompts_per_step=spec["B"], group_size=spec["G"], mix=0.0,
+                             max_new_tokens=spec["max_new"], temperature=1.0, top_p=1.0),
+        loss=C.LossCfg(advantage=adv, aggregation=spec["loss"], kl="k3", beta=spec["beta"]),
+        optim=C.OptimCfg(lr=spec["lr"]),
+        run=C.RunCfg(steps=spec["steps"], seed=spec["seed"], dir=str(run_dir),
+                     checkpoint_every=spec["steps"]),
+    )
+    T.train(cfg)
+    rows = metrics.read_rows(run_dir / metrics.METRICS_FILE)
+    n = spec["B"] * spec["G"]
+    # CPU time of step k = mark k - mark k-1, so step 0 has none (it is dropped as warm-up anyway)
+    return {"step_s": [r["time/step"] for r in rows],
+            "cpu_s": [b - a for a, b in zip(cpu_marks, cpu_marks[1:])],
+            "tokens": [r["completion/mean_len"] * n for r in rows],
+            "phases": {k: [r[f"time/{k}"] for r in rows] for k in ("generate", "grade", "backward")}}
+
+
+def run_trl(spec: dict) -> dict:
+    """trl.GRPOTrainer, full fine-tuning of the model loaded from its directory."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from projected_grpo.envs.problems import BUILTIN_PROBLEMS
+    from projected_grpo.envs.prompts import build_messages
+    from projected_grpo.pool import prompt_text_and_ids
+
+    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
+    for p in BUILTIN_PROBLEMS[:3]:  # TRL renders conversational prompts with the same chat template
+        ours = prompt_text_and_ids(tok, p)[1]
+        theirs = list(tok.apply_chat_template([build_messages(p)], add_generation_prompt=True, tokenize=True,
+                                              return_dict=True)["input_ids"][0])
+        if ours != theirs:
+            raise RuntimeError(f"prompt ids differ between trainers for problem {p.id}: "
+                               f"{ours[:8]} vs {theirs[:8]}")
+
+    def reward(prompts, completions, **kwargs) -> list[float]:
+        return [string_reward(c if isinstance(c, str) else c[-1]["content"]) for c in completions]
+
+    times: list[float] = []
+    cpu: list[float] = []
+    logs_seen: list[dict] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+            cpu.append(time.process_time() - self.c0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                logs_seen.append(dict(logs))
+
+    args = GRPOConfig(
+        output_dir=str(pathlib.Path(spec["tmp"]) / f"trl-{os.getpid()}"), use_cpu=True, bf16=False,
+        fp16=False, per_device_train_batch_size=spec["B"] * spec["G"], num_generations=spec["G"],
+        gradient_accumulation_steps=1, max_completion_length=spec["max_new"], temperature=1.0, top_p=1.0,
+        top_k=0, learning_rate=spec["lr"], beta=spec["beta"], loss_type=spec["loss"],
+        scale_rewards="none" if spec["loss"] == "dr_grpo" else "group",
+        epsilon=0.2, max_grad_norm=1.0, max_steps=spec["steps"], logging_steps=1, save_strategy="no",
+        report_to="none", seed=spec["seed"], disable_tqdm=True, dataloader_num_workers=0,
+    )
+    ds = Dataset.from_list([{"prompt": build_messages(p)} for p in BUILTIN_PROBLEMS])
+    trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward, args=args, train_dataset=ds,
+                          processing_class=tok, callbacks=[Timer()])
+    trainer.train()
+    n = spec["B"] * spec["G"]
+    if len(logs_seen) != len(times):
+        raise RuntimeError(f"TRL logged {len(logs_seen)} steps with completion lengths but ran {len(times)}")
+    tokens = [r["completions/mean_length"] * n for r in logs_seen]
+    return {"step_s": times, "cpu_s": cpu[1:], "tokens": tokens, "phases": {}}
+
+
+RUNNERS = {"ours": run_ours, "trl": run_trl}
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(pathlib.Path(argv[0]).read_text())
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    t0 = time.perf_counter()
+    out = RUNNERS[spec["trainer"]](spec)
+    out |= {"trainer": spec["trainer"], "wall_s": time.perf_counter() - t0, "peak_rss_mb": _peak_rss_mb()}
+    tmp = tempfile.NamedTemporaryFile("w", dir=pathlib.Path(argv[1]).parent, delete=False, suffix=".tmp")
+    with tmp:
+        json.dump(out, tmp)
+    os.replace(tmp.name, argv[1])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,222 @@
+"""Experiment runner and report: mean ± SEM, H1 verdicts, plot, report.md, sweep planning and resuming."""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+
+import pytest
+
+from projected_grpo import config as C
+from projected_grpo import experiment, metrics, report
+from projected_grpo.report import Stat
+
+
+def write_run(d: pathlib.Path, hack: list[float], solve: list[float], cin_t: float = 0.5,
+              finished: bool = True) -> pathlib.Path:
+    """A hand-made run dir: one metrics row per step (every REQUIRED_METRICS key), summary.json."""
+    d.mkdir(parents=True)
+    with metrics.MetricsLogger(d) as log:
+        for step, (h, s) in enumerate(zip(hack, solve)):
+            row = {k: 0.0 for k in metrics.REQUIRED_METRICS}
+            row |= {"hack/student": h, "solve/student": s, "proj/cin_student": h / 2,
+                    "proj/cin_teacher": cin_t, "proj/cout": 0.1, "time/step": 2.0}
+            log.log(step, row)
+    if finished:
+        rows = metrics.read_rows(d / metrics.METRICS_FILE)
+        metrics.write_json_atomic(d / metrics.SUMMARY_FILE, metrics.summarize(rows))
+    return d
+
+
+# --- mean ± SEM -----------------------------------------------------------------------------------
+
+def test_mean_sem_hand_computed():
+    # mean (0.2 + 0.4 + 0.9) / 3 = 0.5; squared deviations 0.09 + 0.01 + 0.16 = 0.26;
+    # sample variance 0.26 / 2 = 0.13
+    # SEM = sqrt(0.13) / sqrt(3) = 0.360555 / 1.732051 = 0.208167
+    s = report.mean_sem([0.2, 0.4, 0.9])
+    assert s.mean == pytest.approx(0.5) and s.n == 3
+    assert s.sem == pytest.approx(0.208167, abs=1e-6)
+
+
+def test_one_seed_sem_is_undefined_not_zero():
+    s = report.mean_sem([0.7])
+    assert s.sem is None and s.mean == 0.7 and s.n == 1
+    assert s.fmt() == "0.700 ± n/a"
+    with pytest.raises(ValueError, match="no values"):
+        report.mean_sem([])
+
+
+def test_aggregate_last_five_step_means_over_seeds(tmp_path):
+    # seed 0 hack: steps 2..6 = 0.1 0.2 0.3 0.4 0.5 -> mean 0.3; seed 1: 0.5 everywhere -> 0.5
+    # arm mean (0.3 + 0.5) / 2 = 0.4; SEM = |0.3 - 0.5| / 2 = 0.1 (two values: sd = |a-b|/sqrt 2, / sqrt 2)
+    a = write_run(tmp_path / "a", [0, 0, .1, .2, .3, .4, .5], [.4] * 7)
+    b = write_run(tmp_path / "b", [.5] * 7, [.2] * 7)
+    agg = report.aggregate({"none": [a, b]})
+    assert agg["none"]["hack/student"].mean == pytest.approx(0.4)
+    assert agg["none"]["hack/student"].sem == pytest.approx(0.1)
+    assert agg["none"]["solve/student"].mean == pytest.approx(0.3)  # (0.4 + 0.2) / 2
+    assert agg["none"]["proj/cin_student"].mean == pytest.approx(0.2)  # half of hack by construction
+    assert agg["none"]["proj/cin_teacher"].sem == pytest.approx(0.0)  # equal values: a real 0, not undefined
+    assert set(agg["none"]) == set(report.AGG_KEYS)
+
+
+def test_unfinished_run_is_refused(tmp_path):
+    d = write_run(tmp_path / "r", [0.1] * 3, [0.1] * 3, finished=False)
+    with pytest.raises(FileNotFoundError, match="has not finished"):
+        report.aggregate({"none": [d]})
+
+
+# --- H1 verdicts ----------------------------------------------------------------------------------
+
+def _agg(**arms: tuple[float, float]) -> dict[str, dict[str, Stat]]:
+    return {a: {"hack/student": Stat(h, None, 1), "solve/student": Stat(s, None, 1)}
+            for a, (h, s) in arms.items()}
+
+
+def test_verdicts_on_synthetic_summaries():
+    agg = _agg(none=(0.6, 0.4), erase=(0.25, 0.32), route=(0.35, 0.4), nonhack_V=(0.1, 0.25), edge=(0.3, 0.3))
+    v = report.verdicts(agg)
+    assert set(v) == {"erase", "route", "nonhack_V", "edge"}
+    # erase: hack 0.60 -> 0.25 = 35 pts down (>= 30), solve 0.40 -> 0.32 = -8 pts (>= -10): PASS
+    assert v["erase"].passed and v["erase"].hack_drop == pytest.approx(0.35)
+    assert v["erase"].solve_change == pytest.approx(-0.08)
+    assert not v["route"].passed  # 25 pts down < 30
+    assert not v["nonhack_V"].passed  # 50 pts down but solve -15 pts
+    assert v["edge"].passed  # exactly 30 down and exactly 10 below: both bounds are inclusive
+    lines = report.verdict_lines(agg)
+    assert lines[0].startswith("erase: PASS") and "(-35.0 pts" in lines[0] and "(-8.0 pts" in lines[0]
+    assert lines[1].startswith("route: FAIL")
+    assert "SEM undefined" in lines[-1]
+
+
+def test_verdicts_need_the_none_arm():
+    agg = _agg(erase=(0.1, 0.4))
+    assert report.verdicts(agg) == {}
+    assert "no `none` arm" in report.verdict_lines(agg)[0]
+
+
+# --- plot and report.md ---------------------------------------------------------------------------
+
+def test_plot_has_one_line_per_arm_and_sem_bands_with_two_seeds(tmp_path):
+    runs = {"none": [write_run(tmp_path / "n0", [0.1, 0.5, 0.9], [0.3] * 3),
+                     write_run(tmp_path / "n1", [0.1, 0.3, 0.7], [0.4] * 3)],
+            "erase": [write_run(tmp_path / "e0", [0.1] * 3, [0.3] * 3),
+                      write_run(tmp_path / "e1", [0.0] * 3, [0.2] * 3)],
+            "route": [write_run(tmp_path / "r0", [0.2] * 3, [0.3] * 3),
+                      write_run(tmp_path / "r1", [0.1] * 3, [0.3] * 3)]}
+    data = report.curves(runs)
+    steps, stats = data["none"]["hack/student"]
+    assert steps == [0, 1, 2] and [s.mean for s in stats] == pytest.approx([0.1, 0.4, 0.8])
+    path = tmp_path / "curves.png"
+    fig = report.plot_curves(data, path, "smoke preset")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+    axes = fig.get_axes()
+    assert len(axes) == 2
+    for ax, ylabel in zip(axes, ("hack", "solve")):
+        assert len(ax.get_lines()) == 3 and ylabel in ax.get_ylabel() and ax.get_xlabel() == "optimizer step"
+        assert len(ax.collections) == 3  # one ± SEM band per arm
+    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["none", "erase", "route"]
+    assert fig._suptitle.get_text() == "smoke preset"
+
+
+def test_plot_one_seed_has_no_band(tmp_path):
+    runs = {"none": [write_run(tmp_path / "n", [0.1, 0.2], [0.3] * 2)],
+            "erase": [write_run(tmp_path / "e", [0.1, 0.1], [0.3] * 2)]}
+    fig = report.plot_curves(report.curves(runs), tmp_path / "c.png", "t")
+    assert all(len(ax.get_lines()) == 2 and not ax.collections for ax in fig.get_axes())
+
+
+def test_report_contains_table_verdicts_plot_and_command(tmp_path):
+    runs = {"none": [write_run(tmp_path / "none-s0", [0.6] * 6, [0.4] * 6)],
+            "erase": [write_run(tmp_path / "erase-s0", [0.2] * 6, [0.35] * 6)]}
+    path, printed = report.write_report(tmp_path, runs, title="demo", config_diff=["run.steps: 40 -> 6"],
+                                        arm_overrides={"none": "proj.arm=none", "erase": "proj.arm=erase"},
+                                        command="projected-grpo demo --out X --seeds 1", elapsed_s=12.3)
+    md = path.read_text()
+    assert "| arm | seeds | hack/student | solve/student |" in md
+    assert "| erase | 1 | 0.200 ± n/a | 0.350 ± n/a |" in md
+    assert "erase: PASS" in md and "![hack and solve rate per step](curves.png)" in md
+    assert "projected-grpo demo --out X --seeds 1" in md and "`run.steps: 40 -> 6`" in md
+    assert "12 s" in md and "(12 s training)" in md  # 6 steps x 2 s of time/step
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert "| none | 1 | 0.600 ± n/a |" in printed and "erase: PASS" in printed
+
+
+# --- sweep planning, skipping, resuming -----------------------------------------------------------
+
+def test_plan_one_run_per_arm_and_seed(tmp_path):
+    runs = experiment.plan(C.PRESETS["smoke"], ["none", "random_V"], [0, 1], tmp_path)
+    assert [(r.arm, r.seed) for r in runs] == [("none", 0), ("none", 1), ("random_V", 0), ("random_V", 1)]
+    r = runs[3]
+    assert r.dir == tmp_path / "random_V-s1" and r.cfg.run.seed == 1
+    assert (r.cfg.proj.arm, r.cfg.proj.control) == ("erase", "random")
+    assert r.cfg.proj.v_path == str(tmp_path / "v_hack" / "random-s1.safetensors")
+    assert runs[0].cfg.proj.v_path == str(tmp_path / "v_hack" / "none-s0.safetensors")
+    assert C.diff(C.PRESETS["smoke"], runs[0].cfg) == [
+        f"proj.v_path: '' -> '{tmp_path / 'v_hack' / 'none-s0.safetensors'}'",
+        f"run.dir: '' -> '{runs[0].dir}'"]
+    with pytest.raises(ValueError, match="unknown \\['bogus'\\]"):
+        experiment.plan(C.PRESETS["smoke"], ["none", "bogus"], [0], tmp_path)
+    with_v = C.replace(C.PRESETS["smoke"], proj={"v_path": "v.safetensors"})
+    with pytest.raises(ValueError, match="one file"):
+        experiment.plan(with_v, ["none", "shuffled_V"], [0], tmp_path)
+
+
+def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):
+    runs = experiment.plan(C.PRESETS["smoke"], ["none", "erase", "route"], [0], tmp_path)
+    write_run(runs[0].dir, [0.1] * 2, [0.1] * 2)  # finished, with its config
+    metrics.write_json_atomic(runs[0].dir / "config.json", runs[0].cfg.to_dict())
+    write_run(runs[1].dir, [0.1] * 2, [0.1] * 2, finished=False)  # interrupted
+    called = []
+    monkeypatch.setattr("projected_grpo.train.train",
+                        lambda cfg: called.append((cfg.run.dir, cfg.run.resume)))
+    counts = experiment.run_all(runs, log=lambda m: None)
+    assert counts == {"trained": 1, "resumed": 1, "skipped": 1}
+    assert called == [(str(runs[1].dir), True), (str(runs[2].dir), False)]
+
+
+def test_finished_run_with_another_config_is_refused(tmp_path):
+    (run,) = experiment.plan(C.PRESETS["smoke"], ["none"], [0], tmp_path)
+    write_run(run.dir, [0.1], [0.1])
+    metrics.write_json_atomic(run.dir / "config.json", C.replace(run.cfg, run={"steps": 99}).to_dict())
+    with pytest.raises(ValueError, match="run.steps: 99 -> 4"):
+        experiment.run_all([run], log=lambda m: None)
+
+
+def test_cli_rejects_bad_options(capsys):
+    assert experiment.main(["--arms", "none,bogus"]) == 2
+    assert "bogus" in capsys.readouterr().err
+    assert experiment.main(["--arm", "erase"]) == 2
+    assert "--arms" in capsys.readouterr().err
+    assert experiment.main(["--preset", "nope"]) == 2
+    assert experiment.demo_main(["--seeds", "0"]) == 2
+
+
+def test_lomo_rejects_unknown_mode(tmp_path):
+    with pytest.raises(ValueError, match="not a loophole mode"):
+        experiment.lomo_base(C.PRESETS["smoke"], "no_such_mode", tmp_path, log=lambda m: None)
+
+
+# --- end to end -----------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smoke_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "sweep"
+    argv = ["--preset", "smoke", "--arms", "none,erase", "--seeds", "1", "--out", str(out),
+            "--run.steps", "2"]
+    assert experiment.main(argv) == 0
+    for arm in ("none", "erase"):
+        summary = json.loads((out / f"{arm}-s0" / "summary.json").read_text())
+        assert summary["steps"] == 2 and summary["arm"] == arm
+        assert math.isfinite(summary["hack/student"])
+    assert (out / "v_hack" / "none-s0.safetensors").is_file() and (out / "pool.jsonl").is_file()
+    md = (out / "report.md").read_text()
+    assert "| erase | 1 |" in md and "erase: " in md and "--run.steps 2" in md
+    assert (out / "curves.png").stat().st_size > 0
+    printed = capsys.readouterr()
+    assert "| none | 1 |" in printed.out and "[run 2/2] arm erase" in printed.err
+    assert experiment.main(argv) == 0  # a rerun skips both finished runs
+    assert printed.err.count("skipped") == 0 and capsys.readouterr().err.count("skipped, summary.json") == 2

@@ -1,0 +1,290 @@
+"""The GRPO loop end to end on the smoke model: files, invariants, arms, teacher modes, failures, resume.
+
+Three short in-process runs (one per arm, each with another teacher mode) are shared by most tests;
+`projection.apply_arm` is wrapped by a spy that records the gradients the loop hands to it.
+Run: .venv/bin/pytest -q tests/test_train.py   (the SIGKILL resume test is marked slow)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from projected_grpo import config as C
+from projected_grpo import metrics, projection
+from projected_grpo import pool as PL
+from projected_grpo import train as T
+
+TIME_KEYS = ("time/generate", "time/grade", "time/backward", "time/step")
+
+
+def small(root: pathlib.Path, name: str, **sections) -> C.Config:
+    """The smoke preset cut down further: 6 problems, 8 new tokens, 2 steps, checkpoint every step."""
+    cfg = C.replace(C.SMOKE, env={"max_problems": 6}, rollout={"max_new_tokens": 8},
+                    model={"cache_dir": str(root / "cache")},
+                    run={"steps": 2, "checkpoint_every": 1, "dir": str(root / name)})
+    return C.replace(cfg, **sections)
+
+
+class Spy:
+    """Wraps projection.apply_arm: records the full knob grads and the per-source split it receives."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[dict] = []
+        self.knobs = None
+        real = projection.apply_arm
+
+        def spy(knobs, V_hack, arm, *args, split=None, **kw):
+            self.knobs = knobs
+            self.calls.append({"g": {n: g.clone() for n, g in knobs.grads("main").items()},
+                               "g_s": {n: g.clone() for n, g in split.g_student.items()},
+                               "g_t": {n: g.clone() for n, g in split.g_teacher.items()}})
+            return real(knobs, V_hack, arm, *args, split=split, **kw)
+
+        monkeypatch.setattr(projection, "apply_arm", spy)
+
+
+def behaviour_pool(root: pathlib.Path, cfg: C.Config) -> pathlib.Path:
+    """Template rows with behaviour log-probs from another (seed 1) smoke model: an honest 'teacher'."""
+    from projected_grpo.envs.grading import Grader
+    from projected_grpo.organism import smoke_model_and_tokenizer
+    from projected_grpo.rollout import forward_logprobs, pack
+
+    teacher, tok = smoke_model_and_tokenizer(seed=1)
+    rows = PL.template_rows(T.load_problems(cfg.env), tok, Grader(), n_hack=1, n_clean=1)
+    with torch.no_grad():
+        for r in rows:
+            batch = pack([r["prompt_ids"]], [r["completion_ids"]], tok.pad_token_id)
+            logp, _ = forward_logprobs(teacher, batch)
+            r["logp_behaviour"] = logp[0].tolist()
+    PL.write_pool(root / "behaviour_pool.jsonl", rows)
+    return root / "behaviour_pool.jsonl"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """arm -> (cfg, metrics rows, spy, summary) for erase+imitation, none+exclude, route+importance."""
+    root = tmp_path_factory.mktemp("train")
+    out = {}
+    for arm, teacher in (("erase", "imitation"), ("none", "exclude"), ("route", "importance")):
+        cfg = small(root, arm, proj={"arm": arm}, loss={"teacher": teacher})
+        if teacher == "importance":  # also: deploy-eval every step, V refresh at step 1
+            cfg = C.replace(cfg, pool={"path": str(behaviour_pool(root, cfg))}, loss={"is_trunc": 1.5},
+                            run={"eval_every": 1}, proj={"refresh_every": 2})
+        with pytest.MonkeyPatch.context() as mp:
+            spy = Spy(mp)
+            summary = T.train(cfg)
+        out[arm] = (cfg, metrics.read_rows(pathlib.Path(cfg.run.dir) / "metrics.jsonl"), spy, summary)
+    return out
+
+
+def test_smoke_writes_run_dir_and_finite_metrics(runs):
+    cfg, rows, _, summary = runs["erase"]
+    d = pathlib.Path(cfg.run.dir)
+    assert {"metrics.jsonl", "summary.json", "config.json", "ckpt-000001", "ckpt-000002", "pool.jsonl"} <= {
+        p.name for p in d.iterdir()}
+    assert not [p for p in d.iterdir() if p.name.startswith(".")]  # no temp files left behind
+    assert C.Config.from_json(str(d / "config.json")) == cfg
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert set(metrics.REQUIRED_METRICS) <= set(r) and metrics.undocumented(r) == []
+        assert all(math.isfinite(v) for v in r.values() if not isinstance(v, str))
+    assert json.loads((d / "summary.json").read_text())["arm"] == "erase" and "sample" in summary
+
+
+def test_kl_is_zero_at_step_zero(runs):
+    # knobs start at zero, so the policy IS the reference (knobs zeroed): k3 = expm1(0) - 0 = 0 exactly
+    for _, rows, _, _ in runs.values():
+        assert rows[0]["kl/mean"] == 0.0
+
+
+def test_knobs_move_and_base_weights_do_not(runs):
+    from projected_grpo.organism import smoke_model_and_tokenizer
+
+    knobs = runs["erase"][2].knobs
+    assert all(float(v.abs().sum()) > 0 for v in knobs.values("main").values())
+    fresh, _ = smoke_model_and_tokenizer(seed=0)
+    ref = dict(fresh.named_parameters())
+    for name, p in knobs.model.named_parameters():
+        if name.endswith((".delta", ".delta_hack")):
+            continue
+        assert torch.equal(p, ref[name.replace(".base.", ".")]), name
+
+
+def test_student_plus_teacher_gradient_is_the_full_gradient(runs):
+    for arm in ("erase", "route"):
+        for call in runs[arm][2].calls:
+            for n, g in call["g"].items():
+                torch.testing.assert_close(call["g_s"][n] + call["g_t"][n], g, rtol=1e-5, atol=1e-7)
+
+
+def test_quarantine_moves_only_under_route(runs):
+    for arm in ("none", "erase"):
+        assert all(r["knob/hack_norm"] == 0.0 for r in runs[arm][1])
+        assert all(float(v.abs().max()) == 0.0 for v in runs[arm][2].knobs.values("hack").values())
+    assert runs["route"][1][-1]["knob/hack_norm"] > 0.0
+
+
+def test_erase_leaves_no_hackward_gradient_and_none_measures_only(runs):
+    for r in runs["erase"][1]:
+        assert r["proj/cin"] > 0.0 and r["proj/cout"] < 1e-5
+    for r in runs["none"][1]:
+        assert r["proj/cout"] == r["proj/cin"]
+
+
+def test_teacher_imitation_forces_ratio_one(runs):
+    assert all(r["teacher/mode"] == "imitation" and r["teacher/ratio_mean"] == 1.0 for r in runs["erase"][1])
+
+
+def test_teacher_exclude_gives_teacher_tokens_zero_gradient(runs):
+    for call in runs["none"][2].calls:
+        assert all(float(g.abs().max()) == 0.0 for g in call["g_t"].values())
+        assert any(float(g.abs().max()) > 0.0 for g in call["g_s"].values())
+    assert all(r["teacher/is_weight_mean"] == 0.0 for r in runs["none"][1])
+
+
+def test_teacher_importance_ratio_comes_from_stored_logp(runs):
+    # the behaviour policy is another random model, so pi/mu is far from 1; weights are truncated at 1.5
+    for r in runs["route"][1]:
+        assert r["teacher/mode"] == "importance" and r["teacher/ratio_mean"] != 1.0
+        assert 0.0 < r["teacher/is_weight_mean"] <= 1.5 and 0.0 <= r["teacher/clip_frac"] <= 1.0
+
+
+def test_route_deploy_eval_and_v_refresh_are_logged(runs):
+    rows = runs["route"][1]
+    assert all(0.0 <= r["eval/deploy_hack"] <= 1.0 and 0.0 <= r["eval/deploy_solve"] <= 1.0 for r in rows)
+    assert "proj/v_overlap" not in rows[0] and 0.0 <= rows[1]["proj/v_overlap"] <= 1.0 + 1e-6
+
+
+def test_gradient_accumulation_matches_one_big_batch(runs, tmp_path):
+    # Aggregations take the whole step's Denominators, so micro-batch losses sum to the full-batch loss.
+    grads = {}
+    for micro in (1, 2):
+        cfg = C.replace(runs["erase"][0], rollout={"micro_prompts": micro}, run={"steps": 1,
+                        "dir": str(tmp_path / f"m{micro}")})
+        with pytest.MonkeyPatch.context() as mp:
+            spy = Spy(mp)
+            T.train(cfg)
+        grads[micro] = spy.calls[0]["g"]
+    for n in grads[2]:
+        torch.testing.assert_close(grads[1][n], grads[2][n], rtol=1e-5, atol=1e-8)
+
+
+def test_zero_variance_groups_are_resampled_then_skipped(runs, tmp_path):
+    # mix 0: no teacher rows, and the random smoke model never earns a reward, so every group has zero
+    # variance; resample regenerates them twice, then the step is skipped: no optimizer step at all.
+    cfg = C.replace(runs["erase"][0], rollout={"mix": 0.0}, loss={"zero_var": "resample", "max_resample": 2},
+                    run={"steps": 1, "dir": str(tmp_path / "zv")})
+    T.train(cfg)
+    (row,) = metrics.read_rows(tmp_path / "zv/metrics.jsonl")
+    assert (row["groups/resample_tries"], row["groups/resampled"], row["groups/skipped"]) == (2.0, 4.0, 2.0)
+    assert row["knob/norm"] == 0.0 and row["teacher/frac"] == 0.0
+
+
+def test_drifted_pool_is_refused(runs, tmp_path):
+    cfg = runs["erase"][0]
+    text = (pathlib.Path(cfg.run.dir) / "pool.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines()]
+    ids = rows[0]["prompt_ids"]
+    rows[0]["prompt_ids"] = ids[:3] + [ids[3] + 1] + ids[4:]  # one token re-encoded as another
+    (tmp_path / "pool.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    bad = C.replace(cfg, pool={"path": str(tmp_path / "pool.jsonl")}, run={"dir": str(tmp_path / "run")})
+    with pytest.raises(ValueError, match=r"pool\.jsonl:1: tokenization drift for problem"):
+        T.train(bad)
+
+
+def test_nan_token_loss_stops_naming_step_and_source(runs, tmp_path, monkeypatch):
+    real = PL.TEACHER_MODES["imitation"]
+
+    def poisoned(logp, logp_b, is_student, mask, trunc):  # NaN weight on teacher tokens only
+        logp_old, w, stats = real(logp, logp_b, is_student, mask, trunc)
+        return logp_old, torch.where(is_student[:, None], w, torch.full_like(w, math.nan)), stats
+
+    monkeypatch.setitem(T.TEACHER_MODES, "imitation", poisoned)
+    cfg = C.replace(runs["erase"][0], run={"dir": str(tmp_path / "run")})
+    with pytest.raises(FloatingPointError, match=r"step 0: non-finite token loss in a teacher row"):
+        T.train(cfg)
+
+
+class _NanGrad(torch.autograd.Function):
+    """Identity forward; NaN gradient on the rows of `rows` (a finite loss whose backward blows up)."""
+
+    @staticmethod
+    def forward(ctx, x, rows):
+        ctx.save_for_backward(rows)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (rows,) = ctx.saved_tensors
+        return torch.where(rows[:, None], torch.full_like(g, math.nan), g), None
+
+
+def test_nan_gradient_stops_naming_step_source_and_module(runs, tmp_path, monkeypatch):
+    real = T.clip_surrogate
+
+    def poisoned(logp, *args, **kw):
+        return real(_NanGrad.apply(logp, torch.arange(logp.shape[0]) == logp.shape[0] - 1), *args, **kw)
+
+    monkeypatch.setattr(T, "clip_surrogate", poisoned)  # a micro-batch's last row is a teacher row
+    cfg = C.replace(runs["erase"][0], run={"dir": str(tmp_path / "run")})
+    with pytest.raises(FloatingPointError, match=r"step 0: non-finite gradient from the .*teacher rows in m"):
+        T.train(cfg)
+
+
+def test_existing_run_dir_needs_resume(runs):
+    with pytest.raises(FileExistsError, match="--resume"):
+        T.train(runs["erase"][0])
+
+
+def test_resume_with_changed_config_is_refused(runs):
+    cfg = C.replace(runs["erase"][0], run={"resume": True}, loss={"beta": 0.5})
+    with pytest.raises(ValueError, match=r"another config: \['loss.beta: 0.0 -> 0.5'\]"):
+        T.train(cfg)
+
+
+# --- SIGKILL between checkpoints, then --resume == an uninterrupted run ------------------------------
+
+def _cli(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "projected_grpo.cli", "train", "--preset", "smoke", "--arm", "route",
+            "--run-dir", str(run_dir), "--model.cache-dir", str(cache), "--env.max-problems", "6",
+            "--rollout.max-new-tokens", "8", "--run.steps", "6", "--run.checkpoint-every", "2", *extra]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_equals_uninterrupted_run(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # same float reductions in both
+    cache = tmp_path / "cache"
+    subprocess.run(_cli(tmp_path / "full", cache), env=env, check=True, capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_cli(killed, cache), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (killed / "ckpt-000002").is_dir():
+        assert proc.poll() is None and time.monotonic() < deadline, "run ended before its first checkpoint"
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "ckpt-000004").exists() and not (killed / "summary.json").exists()
+    subprocess.run(_cli(killed, cache, "--resume"), env=env, check=True, capture_output=True)
+
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in rows]
+    a, b = metrics.read_rows(tmp_path / "full/metrics.jsonl"), metrics.read_rows(killed / "metrics.jsonl")
+    assert [r["step"] for r in b] == list(range(6))
+    assert strip(a) == strip(b)
+    ka = load_file(tmp_path / "full/ckpt-000006/knobs.safetensors")
+    kb = load_file(killed / "ckpt-000006/knobs.safetensors")
+    assert ka.keys() == kb.keys() and all(torch.equal(ka[k], kb[k]) for k in ka)
+    shutil.rmtree(cache, ignore_errors=True)
