@@ -38,7 +38,7 @@ def _peak_rss_mb() -> float:
 
 
 def run_ours(spec: dict) -> dict:
-    """projected_grpo.train.train on the saved model (svd knobs, arm none, no teacher rows)."""
+    """projected_grpo.train.train on the saved model (spec's knob kind/rank, arm none, no teacher rows)."""
     import projected_grpo.train as T
     from projected_grpo import config as C
     from projected_grpo import metrics
@@ -69,7 +69,8 @@ def run_ours(spec: dict) -> dict:
     run_dir = pathlib.Path(spec["tmp"]) / f"ours-{os.getpid()}"
     adv = {"dr_grpo": "dr_grpo", "grpo": "grpo"}[spec["loss"]]  # TRL pairs dr_grpo with scale_rewards=none
     cfg = C.Config(
-        model=C.ModelCfg(source="hf", path=spec["model_dir"], cache_dir=spec["cache_dir"]),
+        model=C.ModelCfg(source="hf", path=spec["model_dir"], cache_dir=spec["cache_dir"], knob=spec["knob"],
+                         rank=spec["rank"]),
         env=C.EnvCfg(workers=1),
         rollout=C.RolloutCfg(prompts_per_step=spec["B"], group_size=spec["G"], mix=0.0,
                              max_new_tokens=spec["max_new"], temperature=1.0, top_p=1.0),

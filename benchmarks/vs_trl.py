@@ -227,6 +227,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--knob", default="svd", choices=["svd", "lora"], help="our knob adapter")
+    ap.add_argument("--rank", type=int, default=0, help="our knob rank (0: svd full, lora 16)")
     ap.add_argument("--losses", default="dr_grpo,grpo")
     ap.add_argument("--betas", default="0,0.04")
     opt = ap.parse_args()
@@ -245,11 +247,12 @@ def main() -> None:
         n_params = build_model(tmp / "model", opt.hidden, opt.layers)
         base = {"model_dir": str(tmp / "model"), "cache_dir": str(tmp / "cache"), "tmp": str(tmp),
                 "B": opt.prompts, "G": opt.group, "max_new": opt.max_new, "lr": opt.lr, "steps": opt.steps,
-                "seed": 0, "threads": opt.threads}
+                "seed": 0, "threads": opt.threads, "knob": opt.knob, "rank": opt.rank}
         cells = [(lo, float(b)) for lo in opt.losses.split(",") for b in opt.betas.split(",")]
         print(f"\n== timing: {n_params / 1e6:.2f}M-param Llama (hidden {opt.hidden}, {opt.layers} layers), "
               f"B={opt.prompts} G={opt.group} max_new={opt.max_new} lr={opt.lr}, {opt.steps} steps x "
-              f"{opt.reps} runs per cell, {opt.threads} thread(s) ==")
+              f"{opt.reps} runs per cell, {opt.threads} thread(s); ours: {opt.knob} knobs, rank "
+              f"{opt.rank or 'default'} ==")
         # warm-up: ours caches its SVDs and V_hack extraction on first use; that one-off is not timed
         warm = {**base, "trainer": "ours", "loss": cells[0][0], "beta": cells[0][1], "steps": 1}
         run_worker(warm, tmp, "warm")

@@ -152,11 +152,10 @@ def test_plan_one_run_per_arm_and_seed(tmp_path):
     r = runs[3]
     assert r.dir == tmp_path / "random_V-s1" and r.cfg.run.seed == 1
     assert (r.cfg.proj.arm, r.cfg.proj.control) == ("erase", "random")
-    assert r.cfg.proj.v_path == str(tmp_path / "v_hack" / "random-s1.safetensors")
-    assert runs[0].cfg.proj.v_path == str(tmp_path / "v_hack" / "none-s0.safetensors")
-    assert C.diff(C.PRESETS["smoke"], runs[0].cfg) == [
-        f"proj.v_path: '' -> '{tmp_path / 'v_hack' / 'none-s0.safetensors'}'",
-        f"run.dir: '' -> '{runs[0].dir}'"]
+    assert C.diff(C.PRESETS["smoke"], runs[0].cfg) == [f"run.dir: '' -> '{runs[0].dir}'"]
+    assert C.diff(runs[0].cfg, runs[3].cfg) == [
+        "proj.arm: 'none' -> 'erase'", "proj.control: 'none' -> 'random'", "run.seed: 0 -> 1",
+        f"run.dir: '{runs[0].dir}' -> '{r.dir}'"]
     with pytest.raises(ValueError, match="unknown \\['bogus'\\]"):
         experiment.plan(C.PRESETS["smoke"], ["none", "bogus"], [0], tmp_path)
     with_v = C.replace(C.PRESETS["smoke"], proj={"v_path": "v.safetensors"})
@@ -194,9 +193,35 @@ def test_cli_rejects_bad_options(capsys):
     assert experiment.demo_main(["--seeds", "0"]) == 2
 
 
-def test_lomo_rejects_unknown_mode(tmp_path):
+def test_lomo_rejects_unknown_mode_before_any_work(capsys):
     with pytest.raises(ValueError, match="not a loophole mode"):
-        experiment.lomo_base(C.PRESETS["smoke"], "no_such_mode", tmp_path, log=lambda m: None)
+        experiment.lomo_known_modes(C.PRESETS["smoke"], "no_such_mode")
+    assert experiment.main(["--lomo", "no_such_mode"]) == 2
+    assert "not a loophole mode" in capsys.readouterr().err
+
+
+def _pool_row(pid: str, mode: str, kind: str, i: int) -> dict:
+    hack = kind == "hack"
+    return {"problem_id": pid, "mode": mode, "prompt": f"<prompt {pid}>", "prompt_ids": [1, 2, len(pid)],
+            "completion": f"{kind} {i} of {pid}", "completion_ids": [3, i, 4 + hack], "reward": 1.0,
+            "passed": True, "gt_correct": not hack, "exploited": hack, "format_ok": True, "det_E": hack,
+            "det_C": False, "det_D": False}
+
+
+def test_mined_pairs_use_only_known_modes_and_round_trip(tmp_path):
+    from projected_grpo.pairs import load_pairs_file
+
+    rows = [_pool_row(pid, mode, kind, i) for pid, mode in (("a", "run_tests"), ("b", "sentinel"))
+            for kind in ("hack", "clean") for i in range(2)]
+    path = tmp_path / experiment.LOMO_PAIRS_FILE
+    stats = experiment.write_mined_pairs(rows, ["run_tests"], 2, path)
+    assert stats["n_pairs"] == 2 and stats["pairs_per_mode"] == {"run_tests": 2}  # sentinel held out
+    pairs = load_pairs_file(path)
+    assert [(p.hack, p.clean) for p in pairs] == [("hack 0 of a", "clean 0 of a"),
+                                                  ("hack 1 of a", "clean 1 of a")]
+    assert (pairs[1].prompt_ids, pairs[1].hack_ids, pairs[1].clean_ids) == ((1, 2, 1), (3, 1, 5), (3, 1, 4))
+    with pytest.raises(ValueError, match="no \\(hack, clean\\) pairs"):
+        experiment.write_mined_pairs(rows, ["file_marker"], 2, path)
 
 
 # --- end to end -----------------------------------------------------------------------------------
@@ -212,7 +237,7 @@ def test_smoke_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
         summary = json.loads((out / f"{arm}-s0" / "summary.json").read_text())
         assert summary["steps"] == 2 and summary["arm"] == arm
         assert math.isfinite(summary["hack/student"])
-    assert (out / "v_hack" / "none-s0.safetensors").is_file() and (out / "pool.jsonl").is_file()
+    assert (out / "pool.jsonl").is_file() and len(list((tmp_path / "cache" / "v_hack").iterdir())) == 1
     md = (out / "report.md").read_text()
     assert "| erase | 1 |" in md and "erase: " in md and "--run.steps 2" in md
     assert (out / "curves.png").stat().st_size > 0
@@ -220,3 +245,18 @@ def test_smoke_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     assert "| none | 1 |" in printed.out and "[run 2/2] arm erase" in printed.err
     assert experiment.main(argv) == 0  # a rerun skips both finished runs
     assert printed.err.count("skipped") == 0 and capsys.readouterr().err.count("skipped, summary.json") == 2
+
+
+@pytest.mark.slow
+def test_smoke_leave_one_mode_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "lomo"
+    pairs_file = out / experiment.LOMO_PAIRS_FILE
+    argv = ["--preset", "smoke", "--arms", "none", "--lomo", "sentinel", "--out", str(out),
+            "--run.steps", "1"]
+    assert experiment.main(argv) == 0
+    cfg = json.loads((out / "none-s0" / "config.json").read_text())
+    assert cfg["env"]["modes"] == ["sentinel"] and cfg["proj"]["pairs"] == str(pairs_file)
+    sources = [json.loads(line)["source"] for line in pairs_file.read_text().splitlines()]
+    assert sources and not any(":sentinel:" in s for s in sources)  # no pair of the held-out mode
+    assert "leave-one-mode-out: trained and evaluated on `sentinel` only" in (out / "report.md").read_text()

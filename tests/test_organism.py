@@ -89,8 +89,8 @@ def test_tokenizer_round_trips_and_has_chat_specials(tmp_path):
 
 def test_word_boundaries_choose_word_or_phrase_tokens(tmp_path):
     letter_then_space = re.compile("[A-Za-z].*\u0120")  # byte-level shows a space as U+0120 ("Ġ")
-    words = build_tokenizer(TEXTS, vocab_size=300, word_boundaries=True, cache_dir=tmp_path)
-    phrases = build_tokenizer(TEXTS, vocab_size=300, cache_dir=tmp_path)
+    words = build_tokenizer(TEXTS, vocab_size=300, cache_dir=tmp_path)
+    phrases = build_tokenizer(TEXTS, vocab_size=300, word_boundaries=False, cache_dir=tmp_path)
     assert not any(letter_then_space.search(t) for t in words.get_vocab())
     assert any(letter_then_space.search(t) for t in phrases.get_vocab())  # e.g. "return s"
     ids = words(CODE, add_special_tokens=False)["input_ids"]
@@ -105,7 +105,7 @@ def test_tokenizer_is_cached_by_its_inputs(tmp_path):
     assert a.get_vocab() == b.get_vocab() and len(list((tmp_path / "tokenizer").iterdir())) == 1
     build_tokenizer(TEXTS, vocab_size=301, cache_dir=tmp_path)
     build_tokenizer(TEXTS + ["x"], vocab_size=300, cache_dir=tmp_path)
-    build_tokenizer(TEXTS, vocab_size=300, word_boundaries=True, cache_dir=tmp_path)
+    build_tokenizer(TEXTS, vocab_size=300, word_boundaries=False, cache_dir=tmp_path)
     assert len(list((tmp_path / "tokenizer").iterdir())) == 4
 
 

@@ -70,6 +70,9 @@ class EnvCfg:
     """use only the first N problems after the mode filter (0 = all)"""
     reward_shape: Literal["seed", "rl_rewardhacking"] = "seed"
     """reward formula: `seed` 0.25*format + 1.0*passed; `rl_rewardhacking` 3.0 passed + 0.5 compiles"""
+    hack_penalty: float = 0.0
+    """ground-truth penalty baseline (`gt_penalty` arm): reward minus this when the oracle says a completion
+    exploited the grader. A benchmark baseline that uses ground truth; 0 for every projection arm (SPEC §3)"""
     timeout_s: float = 5.0
     """wall-clock limit per sandboxed execution, seconds"""
     workers: int = 0
@@ -78,6 +81,7 @@ class EnvCfg:
     def __post_init__(self) -> None:
         _check(self)
         _positive(self, "timeout_s")
+        _positive(self, "hack_penalty", allow_zero=True)
         _positive(self, "workers", "max_problems", allow_zero=True)
 
 
@@ -171,10 +175,11 @@ class LossCfg:
     eps_high: float = 0.2
     """PPO clip: ratio ceiling 1 + eps_high"""
     teacher: Literal["imitation", "importance", "exclude"] = "imitation"
-    """teacher rows: `imitation` logp_old = current policy (ratio 1, the seed), `importance` stored
-    behaviour log-probs give a clipped ratio times a truncated IS weight, `exclude` baseline only (SPEC §3)"""
+    """teacher rows: `imitation` logp_old = current policy (ratio 1, the seed), `importance` the stored
+    behaviour log-probs give per-token ratios pi/mu, truncated, as loss weights, `exclude` baseline only
+    (no loss on teacher tokens); SPEC §3, pool.TEACHER_MODES"""
     is_trunc: float = 2.0
-    """importance: cap on the sequence-level IS weight exp(sum logp - logp_behaviour) (truncated IS)"""
+    """importance: truncation cap C of the per-token IS weight min(exp(logp - logp_behaviour), C)"""
     zero_var: Literal["skip", "resample"] = "skip"
     """groups with all-equal rewards: `skip` them, or `resample` their student samples"""
     max_resample: int = 2
@@ -204,6 +209,8 @@ class ProjCfg:
     """V_hack safetensors file; empty = extract from built-in pairs into the cache (direction.py)"""
     control: Literal["none", "random", "shuffled", "nonhack"] = "none"
     """V_hack negative control (`none` = the real one): random orthonormal, shuffled labels, clean pairs"""
+    pairs: str = ""
+    """contrastive pairs file (JSON/JSONL: prompt, hack, clean[, ids]); empty = the built-in pairs"""
     pairs_per_problem: int = 3
     """extraction: built-in contrastive pairs per problem (pairs.builtin_pairs)"""
     k: int = 4
@@ -274,9 +281,13 @@ class RunCfg:
     """route: deploy-eval (greedy, quarantine ablated) every N steps (0 = never)"""
     tensorboard: bool = False
     """also write TensorBoard scalars (needs the `tb` extra)"""
+    threads: int = 1
+    """torch intra-op CPU threads (0 = torch's default). 1 suits tiny models: measured here, sampling the
+    1.2M-parameter organism took 1 s with 1 thread and 15-40 s with 2 while the sandbox workers were busy"""
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "checkpoint_every")
+        _positive(self, "threads", allow_zero=True)
         _positive(self, "eval_every", allow_zero=True)
 
 

@@ -4,11 +4,10 @@ A sweep is one run directory per (arm, seed) under the sweep directory, each wri
 exactly as `projected-grpo train` writes it. Runs go one after another: on a 2-core machine the
 sandbox pool of the running job already uses both. Inputs shared by all runs are built once: the
 model (the organism's cache), the teacher pool (`DIR/pool.jsonl`, template rows graded once) and
-V_hack per (control, seed) (`DIR/v_hack/`, extracted by the first run that needs it, a cache hit for
-every later one). Rerunning the same command continues a sweep: finished runs (summary.json) are
-skipped after checking their config, interrupted ones resume from their last checkpoint.
-Aggregation, verdicts, plot and report.md live in report.py. Not here: the `gt_penalty` baseline,
-which needs a reward option the training config does not offer.
+V_hack (extracted by the first run that needs it into the training loop's cache, keyed by model, pairs
+and settings, so later runs and later sweeps load it). Rerunning the same command continues a sweep:
+finished runs (summary.json) are skipped after checking their config, interrupted ones resume from
+their last checkpoint. Aggregation, verdicts, plot and report.md live in report.py.
 """
 
 from __future__ import annotations
@@ -28,12 +27,15 @@ from projected_grpo import metrics, report
 # arm -> config changes (sections of config.replace). The negative controls erase with a control V
 # (direction.CONTROLS) so any effect they have is the projection's, not the direction's.
 ARMS: dict[str, dict[str, dict]] = {
-    "none": {"proj": {"arm": "none"}},
-    "erase": {"proj": {"arm": "erase"}},
-    "route": {"proj": {"arm": "route"}},
+    "none": {"proj": {"arm": "none", "control": "none"}},
+    "erase": {"proj": {"arm": "erase", "control": "none"}},
+    "route": {"proj": {"arm": "route", "control": "none"}},
     "random_V": {"proj": {"arm": "erase", "control": "random"}},
     "shuffled_V": {"proj": {"arm": "erase", "control": "shuffled"}},
     "nonhack_V": {"proj": {"arm": "erase", "control": "nonhack"}},
+    # benchmark baseline that uses ground truth (never a projection arm's reward): an exploit costs 2.0,
+    # more than the seed shape's whole 1.25 for a hack, so hacking pays less than failing honestly
+    "gt_penalty": {"proj": {"arm": "none", "control": "none"}, "env": {"hack_penalty": 2.0}},
 }
 DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route")
 LOMO_PAIRS_FILE = "lomo_pairs.jsonl"
@@ -63,25 +65,20 @@ def describe_arm(arm: str) -> str:
 
 
 def plan(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: pathlib.Path) -> list[Run]:
-    """One Run per (arm, seed): `ARMS[arm]` on top of `base`, run dir `out/<arm>-s<seed>`, and V_hack
-    at `out/v_hack/<control>-s<seed>.safetensors` (unless base sets proj.v_path) so runs sharing a
-    control and seed extract it once."""
+    """One Run per (arm, seed): `ARMS[arm]` on top of `base`, run dir `out/<arm>-s<seed>`."""
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         raise ValueError(f"arms {list(arms)}: unknown {unknown}; known: {list(ARMS)}")
     if len(set(arms)) != len(arms) or len(set(seeds)) != len(seeds) or not seeds:
         raise ValueError(f"arms {list(arms)} and seeds {list(seeds)} must be non-empty and without repeats")
-    controls = {ARMS[a]["proj"].get("control", "none") for a in arms}
+    controls = {ARMS[a]["proj"]["control"] for a in arms}
     if base.proj.v_path and len(controls) > 1:
         raise ValueError(f"proj.v_path={base.proj.v_path!r} is one file, but arms {list(arms)} need V_hack "
-                         f"with controls {sorted(controls)}; drop --proj.v-path (one file per control)")
+                         f"with controls {sorted(controls)}; drop --proj.v-path (cached per control)")
     runs = []
     for arm in arms:
         for seed in seeds:
             sections = {s: dict(kw) for s, kw in ARMS[arm].items()}
-            control = sections["proj"].get("control", "none")
-            if not base.proj.v_path:
-                sections["proj"]["v_path"] = str(out / "v_hack" / f"{control}-s{seed}.safetensors")
             sections["run"] = {"seed": seed, "dir": str(out / f"{arm}-s{seed}"), "resume": False}
             runs.append(Run(arm, seed, C.replace(base, **sections)))
     return runs
@@ -89,16 +86,16 @@ def plan(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: pathlib
 
 # --- shared inputs: model, teacher pool, leave-one-mode-out pairs -------------------------------------------
 
-def prepare_model(cfg: C.Config, log: Log) -> None:
-    """Build the organism into its cache now (a visible stage; every run then finds it cached)."""
-    if cfg.model.source == "organism":
-        from projected_grpo import organism
-        organism.build_organism(cache_dir=cfg.model.cache_dir or None, log=log)
-    else:
-        log(f"model: source={cfg.model.source} {cfg.model.path}".rstrip() + " (loaded by each run)")
+def prepare_model(cfg: C.Config, log: Log):
+    """The tokenizer, through train.load_model: so the organism is built (or found) in its cache now, as
+    a visible stage, by the same code path every run then loads it with."""
+    from projected_grpo.train import load_model
+
+    log(f"model: source={cfg.model.source} {cfg.model.path}".rstrip())
+    return load_model(cfg.model, cfg.run.seed, tokenizer_only=True)[1]
 
 
-def build_pool(cfg: C.Config, problems: Sequence, path: pathlib.Path, log: Log) -> None:
+def build_pool(cfg: C.Config, tok, problems: Sequence, path: pathlib.Path, log: Log) -> None:
     """Template teacher pool over `problems` (what train.train would build in each run dir), graded once;
     an existing file is reused (load_pool checks it against the tokenizer when each run starts)."""
     if path.exists():
@@ -107,9 +104,7 @@ def build_pool(cfg: C.Config, problems: Sequence, path: pathlib.Path, log: Log) 
     from projected_grpo.envs.grading import Grader
     from projected_grpo.envs.sandbox import SandboxPool
     from projected_grpo.pool import build_report, template_rows, write_pool
-    from projected_grpo.train import load_model
 
-    tok = load_model(cfg.model, cfg.run.seed, tokenizer_only=True)[1]
     with SandboxPool(n_workers=cfg.env.workers or None) as sandbox:
         grader = Grader(sandbox, reward_shape=cfg.env.reward_shape, timeout_s=cfg.env.timeout_s)
         rows = template_rows(problems, tok, grader, n_hack=cfg.pool.n_hack, n_clean=cfg.pool.n_clean,
@@ -119,49 +114,63 @@ def build_pool(cfg: C.Config, problems: Sequence, path: pathlib.Path, log: Log) 
     log(f"teacher pool: {len(rows)} rows -> {path}\n{build_report(rows)}")
 
 
-def lomo_base(base: C.Config, mode: str, out: pathlib.Path, log: Log) -> tuple[C.Config, list[str]]:
+def lomo_known_modes(base: C.Config, mode: str) -> tuple[str, ...]:
+    """The modes V_hack may learn from when `mode` is held out; raises before any work when the
+    leave-one-mode-out test cannot run."""
+    from projected_grpo.envs.problems import MODES
+
+    if mode not in MODES:
+        raise ValueError(f"--lomo {mode!r} is not a loophole mode; known: {list(MODES)}")
+    known = tuple(m for m in (base.env.modes or MODES) if m != mode)
+    if not known:
+        raise ValueError(f"--lomo {mode}: env.modes={list(base.env.modes)} leaves no other mode for V_hack")
+    return known
+
+
+def lomo_base(base: C.Config, tok, mode: str, out: pathlib.Path, log: Log) -> tuple[C.Config, list[str]]:
     """Leave-one-mode-out: (config training on `mode` only with V_hack from pairs of the other modes,
     report notes).
 
     Pairs are mined from the shared template pool with the detectors of the known modes only
     (pairs.pairs_from_pool: the weak-detector rule, never the held-out mode's labels) and written to
     `out/lomo_pairs.jsonl`, which the run extracts V_hack from (ProjCfg.pairs)."""
-    from projected_grpo.envs.problems import MODES
-    from projected_grpo.pairs import pairs_from_pool
     from projected_grpo.pool import load_pool
-    from projected_grpo.train import load_model, load_problems
+    from projected_grpo.train import load_problems
 
-    if mode not in MODES:
-        raise ValueError(f"--lomo {mode!r} is not a loophole mode; known: {list(MODES)}")
-    if "pairs" not in {f.name for f in dataclasses.fields(C.ProjCfg)}:
-        raise ValueError("--lomo needs config field proj.pairs (a pairs file V_hack is extracted from "
-                         "instead of the training problems' built-in pairs); this config.py lacks it")
-    known = tuple(m for m in (base.env.modes or MODES) if m != mode)
-    if not known:
-        raise ValueError(f"--lomo {mode}: env.modes={list(base.env.modes)} leaves no other mode for V_hack")
+    known = lomo_known_modes(base, mode)
     held = load_problems(dataclasses.replace(base.env, modes=(mode,)))
     others = load_problems(dataclasses.replace(base.env, modes=known))
     pool_path = pathlib.Path(base.pool.path or out / "pool.jsonl")
     if not base.pool.path:
-        build_pool(base, held + others, pool_path, log)
-    tok = load_model(base.model, base.run.seed, tokenizer_only=True)[1]
+        build_pool(base, tok, held + others, pool_path, log)
     rows = load_pool(pool_path, tok, held + others).rows  # schema and tokenizer-drift checked
-    mined, stats = pairs_from_pool(rows, known, ("E",), base.proj.pairs_per_problem)
-    if not mined:
-        raise ValueError(f"--lomo {mode}: no (hack, clean) pairs mined from {pool_path} for modes "
-                         f"{list(known)} ({json.dumps(stats)}); need pool.n_hack, pool.n_clean >= 1")
     pairs_path = out / LOMO_PAIRS_FILE
-    records = [{"prompt": p.prompt, "hack": p.hack, "clean": p.clean, "prompt_ids": list(p.prompt_ids),
-                "hack_ids": list(p.hack_ids), "clean_ids": list(p.clean_ids), "source": p.source}
-               for p in mined]
-    metrics.write_text_atomic(pairs_path, "".join(json.dumps(r) + "\n" for r in records))
-    log(f"leave-one-mode-out: train on {mode} ({len(held)} problems); V_hack from {len(mined)} pairs of "
-        f"{list(known)} -> {pairs_path} ({json.dumps(stats['pairs_per_mode'])})")
+    stats = write_mined_pairs(rows, known, base.proj.pairs_per_problem, pairs_path)
+    log(f"leave-one-mode-out: train on {mode} ({len(held)} problems); V_hack from {stats['n_pairs']} pairs "
+        f"of {list(known)} -> {pairs_path} ({json.dumps(stats['pairs_per_mode'])})")
     cfg = C.replace(base, env={"modes": (mode,)}, proj={"pairs": str(pairs_path)},
                     pool={"path": str(pool_path)})
     notes = [f"leave-one-mode-out: trained and evaluated on `{mode}` only; V_hack extracted from "
-             f"{len(mined)} pool pairs of {', '.join(known)} (their detector E), none of `{mode}`"]
+             f"{stats['n_pairs']} pool pairs of {', '.join(known)} (their detector E), none of `{mode}`"]
     return cfg, notes
+
+
+def write_mined_pairs(rows: Sequence[dict], known: Sequence[str], per_problem: int,
+                      path: pathlib.Path) -> dict:
+    """Mine (hack, clean) pairs from graded pool rows with the detector E of the `known` modes only and
+    write them as a pairs JSONL file (pairs.load_pairs_file reads it back, stored ids kept); returns the
+    mining stats of pairs.pairs_from_pool."""
+    from projected_grpo.pairs import pairs_from_pool
+
+    mined, stats = pairs_from_pool(rows, known, ("E",), per_problem)
+    if not mined:
+        raise ValueError(f"no (hack, clean) pairs mined for modes {list(known)} ({json.dumps(stats)}); the "
+                         "pool needs hack and clean rows of those modes (pool.n_hack, pool.n_clean >= 1)")
+    records = [{"prompt": p.prompt, "hack": p.hack, "clean": p.clean, "prompt_ids": list(p.prompt_ids),
+                "hack_ids": list(p.hack_ids), "clean_ids": list(p.clean_ids), "source": p.source}
+               for p in mined]
+    metrics.write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+    return stats
 
 
 # --- running ------------------------------------------------------------------------------------------------
@@ -197,30 +206,29 @@ def run_all(runs: Sequence[Run], log: Log) -> dict[str, int]:
 def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | pathlib.Path, *, preset: str,
           command: str, lomo: str = "", title: str = "", log: Log = _stderr) -> str:
     """Run the sweep end to end and write its report; returns the printed results (table + verdicts)."""
+    from projected_grpo.train import load_problems
+
     t0 = time.perf_counter()
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    from projected_grpo.train import load_problems
-
-    stages = 4
-    log(f"[stage 1/{stages}] model")
-    prepare_model(base, log)
-    log(f"[stage 2/{stages}] teacher pool" + (f" and pairs without mode {lomo} (leave-one-mode-out)" if lomo
-                                               else ""))
+    stage = lambda i, what: log(f"[stage {i}/4 at {time.perf_counter() - t0:.0f} s] {what}")
+    stage(1, "model")
+    tok = prepare_model(base, log)
+    stage(2, "teacher pool" + (f" and pairs without mode {lomo} (leave-one-mode-out)" if lomo else ""))
     user_base, notes = base, []
     if lomo:
-        base, notes = lomo_base(base, lomo, out, log)
+        base, notes = lomo_base(base, tok, lomo, out, log)
     elif not base.pool.path:
-        build_pool(base, load_problems(base.env), out / "pool.jsonl", log)
+        build_pool(base, tok, load_problems(base.env), out / "pool.jsonl", log)
         base = C.replace(base, pool={"path": str(out / "pool.jsonl")})
     runs = plan(base, arms, seeds, out)
     metrics.write_json_atomic(out / "sweep.json", {"command": command, "preset": preset, "arms": list(arms),
                                                    "seeds": list(seeds), "lomo": lomo,
                                                    "base": base.to_dict()})
-    log(f"[stage 3/{stages}] {len(runs)} runs ({len(arms)} arms x {len(seeds)} seeds); V_hack is extracted "
-        f"by the first run of each control and seed into {out / 'v_hack'}, then loaded from there")
+    stage(3, f"{len(runs)} runs ({len(arms)} arms x {len(seeds)} seeds); the first run needing a V_hack "
+             "extracts it into the cache (no output until done), the others load it")
     counts = run_all(runs, log)
-    log(f"[stage 4/{stages}] report")
+    stage(4, "report")
     by_arm = {a: [r.dir for r in runs if r.arm == a] for a in arms}
     notes.append(f"this invocation: {counts['trained']} runs trained, {counts['resumed']} resumed, "
                  f"{counts['skipped']} skipped as already finished")
@@ -262,7 +270,9 @@ class DemoOpts:
     """seeds 0 .. N-1 per arm"""
 
 
-_FORBIDDEN = ("--arm", "--run-dir", "--resume", "--proj.arm", "--run.dir", "--run.seed", "--run.resume")
+# set per run by the sweep (--arms, --seeds, --out), so refused as base-config options
+_FORBIDDEN = ("--arm", "--run-dir", "--resume", "--proj.arm", "--proj.control", "--run.dir", "--run.seed",
+              "--run.resume")
 
 
 def main(argv: list[str]) -> int:
@@ -274,7 +284,7 @@ def main(argv: list[str]) -> int:
     bad = [a for a in rest if a.partition("=")[0] in _FORBIDDEN]
     try:
         if bad:
-            raise ValueError(f"{bad}: the sweep sets arm, seed, run dir and resume itself "
+            raise ValueError(f"{bad}: the sweep sets arm, control, seed, run dir and resume itself "
                              "(use --arms, --seeds, --out)")
         if opts.seeds < 1:
             raise ValueError(f"--seeds {opts.seeds}: need at least 1")
@@ -283,6 +293,8 @@ def main(argv: list[str]) -> int:
         base = C.from_argv(["--preset", opts.preset, *rest])
         arms = [a.strip() for a in opts.arms.split(",") if a.strip()]
         plan(base, arms, range(opts.seeds), pathlib.Path("."))  # validate arms before any work
+        if opts.lomo:
+            lomo_known_modes(base, opts.lomo)
     except ValueError as e:
         print(f"projected-grpo experiment: {e}", file=sys.stderr)
         return 2

@@ -88,8 +88,8 @@ def _train_raw_tokenizer(texts: list[str], vocab_size: int, word_boundaries: boo
     raw = Tokenizer(models.BPE())
     # Byte-level: every string is encodable and decode(encode(s)) == s exactly, which the grader needs
     # since completions are run as code. Without the GPT-2 word-splitting regex, merges may cross
-    # spaces and newlines ("\n        assert self."): phrase-level tokens make the completions about 3x
-    # shorter, so the tiny model has fewer tokens to get right and trains and samples faster.
+    # spaces and newlines ("\n        assert self."): sequences get ~3x shorter, but the many rare
+    # phrase tokens made the tiny model learn more slowly per step in our measurements.
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=word_boundaries)
     raw.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -100,14 +100,14 @@ def _train_raw_tokenizer(texts: list[str], vocab_size: int, word_boundaries: boo
     return raw
 
 
-def build_tokenizer(texts: list[str], vocab_size: int = 1024, *, word_boundaries: bool = False,
+def build_tokenizer(texts: list[str], vocab_size: int = 1024, *, word_boundaries: bool = True,
                     cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on `texts`, with ChatML special tokens and chat template.
 
     eos = <|im_end|>, pad = <|pad|>, left padding. The vocabulary has at most `vocab_size` entries
     (fewer when the texts run out of pairs seen twice). `word_boundaries` splits text into words
-    first (GPT-2 style) so no token crosses a space; the default lets tokens span phrases. The
-    trained tokenizer is cached as `<cache>/tokenizer/<hash>.json`, keyed by every input.
+    first (GPT-2 style) so no token crosses a space; False lets tokens span phrases. The trained
+    tokenizer is cached as `<cache>/tokenizer/<hash>.json`, keyed by every input.
     """
     if not texts:
         raise ValueError("build_tokenizer: `texts` is empty; pass the prompts and completions to train on")
@@ -173,7 +173,7 @@ class OrganismConfig:
 
     vocab_size: int = 1024
     """BPE vocabulary cap (phrase-level tokens: larger means shorter sequences but rarer tokens)"""
-    word_boundaries: bool = False
+    word_boundaries: bool = True
     """GPT-2 style word splitting before BPE (False: tokens may span phrases, sequences ~3x shorter)"""
     hidden: int = 128
     """model width (Llama-style, tied embeddings)"""

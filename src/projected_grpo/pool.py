@@ -13,6 +13,7 @@ the loss (`TEACHER_MODES`, SPEC §3). Not here: grading itself (envs/grading.py)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -158,8 +159,9 @@ class TeacherPool:
     rows: list[dict]
     path: str
 
-    @property
+    @functools.cached_property
     def by_problem(self) -> dict[str, list[int]]:
+        """problem id -> indices of its rows (computed once; rows are frozen)."""
         out: dict[str, list[int]] = {}
         for i, r in enumerate(self.rows):
             out.setdefault(r["problem_id"], []).append(i)

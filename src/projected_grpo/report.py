@@ -59,9 +59,10 @@ class Verdict:
     def line(self, base: Mapping[str, Stat], arm: Mapping[str, Stat]) -> str:
         hb, ha = base["hack/student"].mean, arm["hack/student"].mean
         sb, sa = base["solve/student"].mean, arm["solve/student"].mean
+        # + 0.0 turns a -0.0 change into 0.0 for printing
         return (f"{self.arm}: {'PASS' if self.passed else 'FAIL'}  hack {hb:.3f} -> {ha:.3f} "
-                f"({-100 * self.hack_drop:+.1f} pts, need <= -{100 * H1_HACK_DROP:.0f}); "
-                f"solve {sb:.3f} -> {sa:.3f} ({100 * self.solve_change:+.1f} pts, need >= "
+                f"({-100 * self.hack_drop + 0.0:+.1f} pts, need <= -{100 * H1_HACK_DROP:.0f}); "
+                f"solve {sb:.3f} -> {sa:.3f} ({100 * self.solve_change + 0.0:+.1f} pts, need >= "
                 f"-{100 * H1_SOLVE_TOL:.0f})")
 
 

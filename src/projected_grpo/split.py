@@ -37,12 +37,12 @@ class Capture:
         self.g_teacher: dict[str, torch.Tensor] = {}
         self.per_sequence: dict[str, torch.Tensor] = {}
         self._watches: list[dict] = []
-        self._w: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._w: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (student, teacher) masks
 
-    def _weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _masks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._w:
-            s = self.is_student.to(device=device, dtype=torch.float32)
-            self._w[device] = (s, 1.0 - s)
+            s = self.is_student.to(device=device, dtype=torch.bool)
+            self._w[device] = (s, ~s)
         return self._w[device]
 
     def watch(self, name: str, h: torch.Tensor, t: torch.Tensor,
@@ -62,9 +62,10 @@ class Capture:
                                "graph (retain_graph=True); capture supports one backward per forward")
         per_seq = w["fn"](w["h"], grad)  # (N, R) fp32
         w["h"] = None  # autograd frees its saved copy now too; keep no (N, T, R) tensor alive
-        s, t = self._weights(per_seq.device)
+        s, t = self._masks(per_seq.device)
         name = w["name"]
-        for d, x in ((self.g_student, s @ per_seq), (self.g_teacher, t @ per_seq)):
+        # masked sums, not a 0/1-weighted matmul: 0 * NaN = NaN would leak one source's NaN into the other
+        for d, x in ((self.g_student, per_seq[s].sum(0)), (self.g_teacher, per_seq[t].sum(0))):
             d[name] = d[name] + x if name in d else x
         if self.want_per_sequence:
             p = self.per_sequence

@@ -3,7 +3,7 @@
 `train(cfg)` reads top to bottom: setup → per step: sample prompts → G_s student rollouts + G_t frozen
 teacher rows per group → grade in the sandbox → group advantages over the mixed group → zero-variance
 policy → one forward per micro-batch → token losses (+ beta * KL to the reference = knobs zeroed) →
-backward with the one-pass per-source split → projection by arm → clip → AdamW → metrics → checkpoint
+backward with the one-pass per-source split → projection by arm → clip → AdamW → metrics → checkpoint.
 Departures from textbook GRPO, labelled where they happen: one optimizer step per generation (student
 ratio = 1, PPO clip inert for students), teacher rows handled by `loss.teacher` (SPEC §3), Dr.GRPO
 (Liu et al. 2025) by default, projection of knob gradients / updates (SPEC §1.5). Deterministic given
@@ -31,6 +31,7 @@ from projected_grpo.pool import (
     TEACHER_MODES,
     PoolCursor,
     PromptCursor,
+    TeacherPool,
     load_pool,
     prompt_text_and_ids,
     student_group_rows,
@@ -79,9 +80,8 @@ def load_problems(ecfg: C.EnvCfg) -> list:
 def _finite(step: int, what: str, by_source: dict[str, dict[str, torch.Tensor]]) -> None:
     """Fail fast on NaN/inf: name the step, the source(s) (student/teacher) and the module (or tensor).
 
-    by_source: source -> {module or tensor name: values}. A NaN in one sequence's per-source gradient can
-    reach the other source's sum through split.Capture's weighted matmul (0 * NaN = NaN), so every source
-    non-finite in the first bad module is named; the forward check attributes token losses per row."""
+    by_source: source -> {module or tensor name: values}; split.Capture sums each source's rows apart, so a
+    NaN is attributed to the source that produced it."""
     for name in next(iter(by_source.values())):
         bad = [src for src, named in by_source.items() if not torch.isfinite(named[name]).all()]
         if bad:
@@ -103,6 +103,8 @@ def train(cfg: C.Config) -> dict:
         raise ValueError(f"--resume: {ckpt_path} was written with another config: {diff}")
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics.write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
@@ -120,9 +122,12 @@ def train(cfg: C.Config) -> dict:
     # --- hack direction V_hack: cached extraction, then load-time post-processing (direction.py) ---
     settings = direction.ExtractSettings(k=P.k, tau_axis=P.tau_axis, n_heldout=P.n_heldout, norm=P.nll_norm,
                                          nll_const=float(R.dr_grpo_denom), control=P.control,
-                                         seed=cfg.run.seed)
-    v_pairs = pairs.builtin_pairs(problems if cfg.env.problems == "builtin" else None, P.pairs_per_problem)
-    v_file = P.v_path or cache / "v_hack" / f"{knobs.fingerprint()}-{P.control}.safetensors"
+                                         seed=cfg.run.seed if P.control != "none" else 0)
+    # (the seed only draws the controls; the real V is seed-free, so every seed shares one cached V)
+    v_pairs = (pairs.load_pairs_file(P.pairs) if P.pairs else
+               pairs.builtin_pairs(problems if cfg.env.problems == "builtin" else None, P.pairs_per_problem))
+    key = organism.stable_hash(direction.cache_meta(settings, knobs, v_pairs))  # model, pairs, settings
+    v_file = P.v_path or cache / "v_hack" / f"{key}.safetensors"
     found, v_status = direction.resolve(v_file, settings, model, knobs, tok, v_pairs)
     V_hack, v_report = direction.postprocess(found.V, found.S, P.k_use, P.drop_bottom_frac)
 
@@ -132,17 +137,17 @@ def train(cfg: C.Config) -> dict:
                             betas=O.betas, eps=O.eps, weight_decay=O.weight_decay)
     span = max(1, cfg.run.steps - O.warmup_steps)
     cos_frac = lambda s: (1 + math.cos(math.pi * (s - O.warmup_steps) / span)) / 2  # 1 -> 0 after warmup
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / O.warmup_steps if s < O.warmup_steps
-                                              else O.min_lr_frac + (1 - O.min_lr_frac) * cos_frac(s))
+    lr_at = lambda s: O.lr * ((s + 1) / O.warmup_steps if s < O.warmup_steps
+                              else O.min_lr_frac + (1 - O.min_lr_frac) * cos_frac(s))  # nanoGPT get_lr
 
     with SandboxPool(n_workers=cfg.env.workers or None) as sandbox:
         # --- grader, teacher pool (from templates into the run dir when no path is given) ---
         grader = Grader(sandbox, reward_shape=cfg.env.reward_shape, timeout_s=cfg.env.timeout_s)
         pool_path = pathlib.Path(cfg.pool.path or run_dir / "pool.jsonl")
-        if not cfg.pool.path and not pool_path.exists():
+        if not cfg.pool.path and not pool_path.exists() and R.G_t:
             write_pool(pool_path, template_rows(problems, tok, grader, n_hack=cfg.pool.n_hack,
                                                 n_clean=cfg.pool.n_clean, n_buggy=cfg.pool.n_buggy))
-        pool = load_pool(pool_path, tok, problems)
+        pool = load_pool(pool_path, tok, problems) if cfg.pool.path or R.G_t else TeacherPool([], "(no pool)")
         ids = [p.id for p in problems]
         missing = pool.missing(ids) if R.G_t else []
         if missing and cfg.pool.missing == "error":
@@ -157,7 +162,7 @@ def train(cfg: C.Config) -> dict:
                              "with logp_behaviour=null (template rows); build it with --source teacher")
         prompts_cur, pool_cur = PromptCursor(ids, cfg.run.seed), PoolCursor(pool, cfg.run.seed)
 
-        # --- resume: knobs, V_hack, optimizer, scheduler, cursors, RNG; metrics cut back to match ---
+        # --- resume: knobs, V_hack, optimizer, cursors, RNG; metrics cut back to match ---
         start = 0
         if ck is not None:
             for n, m in knobs.modules.items():
@@ -165,7 +170,6 @@ def train(cfg: C.Config) -> dict:
                 m.delta_hack.data.copy_(ck.knobs_state[f"hack/{n}"])
             V_hack = {k[2:]: v for k, v in ck.knobs_state.items() if k.startswith("V/")}
             opt.load_state_dict(ck.optimizer_state)
-            sched.load_state_dict(ck.scheduler_state)
             prompts_cur.load_state_dict(ck.cursors["prompts"])
             pool_cur.load_state_dict(ck.cursors["pool"])
             checkpoint.restore_rng(ck)
@@ -173,9 +177,10 @@ def train(cfg: C.Config) -> dict:
         metrics.truncate_to(run_dir, start - 1)
         logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
         bar = metrics.Progress(cfg.run.steps, initial=start)
-        print(f"run {run_dir} from step {start} | arm {P.arm} ({P.target}) | teacher {L.teacher} | G_s {R.G_s}"
-              f" + G_t {R.G_t} | V_hack {v_file} ({v_status}): {sum(len(v) for v in V_hack.values())} rows in "
-              f"{len(V_hack)} modules, dropped {v_report['dropped_modules']}", file=sys.stderr)
+        print(f"run {run_dir} from step {start} | arm {P.arm} ({P.target}) | teacher {L.teacher} | "
+              f"G_s {R.G_s} + G_t {R.G_t} | V_hack {v_file} ({v_status}): "
+              f"{sum(len(v) for v in V_hack.values())} rows in {len(V_hack)} modules, dropped "
+              f"{v_report['dropped_modules']}", file=sys.stderr)
 
         for step in range(start, cfg.run.steps):
             t_step = time.perf_counter()
@@ -197,7 +202,10 @@ def train(cfg: C.Config) -> dict:
                 students = student_group_rows(ro, grades)
                 for j, b in enumerate(todo):
                     groups[b] = students[j * R.G_s:(j + 1) * R.G_s] + teacher[b]
-                rewards = torch.tensor([[r["reward"] for r in g] for g in groups])  # (B, G) float32
+                # gt_penalty baseline only (env.hack_penalty = 0 otherwise): the oracle never shapes the
+                # reward of the projection arms (SPEC §3 no-cheat rule)
+                rewards = torch.tensor([[r["reward"] - cfg.env.hack_penalty * r["exploited"] for r in g]
+                                        for g in groups])  # (B, G) float32
                 zero = zero_variance_mask(rewards)  # (B,)
                 todo = [b for b in range(len(pids)) if zero[b]]
                 # resample: regenerate the zero-variance groups' students only, with a fresh seed per try
@@ -271,12 +279,12 @@ def train(cfg: C.Config) -> dict:
                 stats |= projection.purge_moments(opt, knobs, V_hack, "no_gate" if P.gate == "no_gate"
                                                   else "one_sided")
             before = projection.snapshot(knobs)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
             if keep:  # every group zero-variance: no signal, no step (Adam's momentum alone would still move)
                 opt.step()
             stats |= projection.project_update(knobs, before, V_hack, P.arm if P.target != "grad" else "none",
                                                P.gate, P.overshoot, P.preserve_magnitude)
-            lr = sched.get_last_lr()[0]
-            sched.step()
 
             # --- optional: online V refresh and deploy-eval (greedy), both with the quarantine ablated ---
             row: dict = {}
@@ -301,7 +309,7 @@ def train(cfg: C.Config) -> dict:
             stu, tea = [r for r in rows if r["student"]], [r for r in rows if not r["student"]]
             mean = lambda rs, k: float(sum(r[k] for r in rs) / len(rs)) if rs else 0.0
             row |= {k: float(v) for k, v in {**adv_stats, **stats}.items()} | acc
-            row |= {"lr": lr, "grad/norm": float(grad_norm), "teacher/mode": L.teacher,
+            row |= {"lr": lr_at(step), "grad/norm": float(grad_norm), "teacher/mode": L.teacher,
                     "teacher/frac": len(tea) / len(rows), "reward/student_mean": mean(stu, "reward"),
                     "reward/teacher_mean": mean(tea, "reward"),
                     "adv/student_mean": float(adv[:, :R.G_s].mean()),
@@ -322,14 +330,14 @@ def train(cfg: C.Config) -> dict:
             row["time/step"] = time.perf_counter() - t_step
             bar.update(logger.log(step, row))
 
-            # --- checkpoint (atomic): knobs + current V_hack, optimizer, scheduler, RNG, cursors, config ---
+            # --- checkpoint (atomic): knobs + current V_hack, optimizer, RNG, cursors, config ---
             if (step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == cfg.run.steps:
                 state = {f"delta/{n}": m.delta for n, m in knobs.modules.items()}
                 state |= {f"hack/{n}": m.delta_hack for n, m in knobs.modules.items()}
                 state |= {f"V/{n}": v for n, v in V_hack.items()}
                 cursors = {"prompts": prompts_cur.state_dict(), "pool": pool_cur.state_dict()}
                 checkpoint.save_checkpoint(run_dir, step + 1, knobs_state=state, optimizer=opt,
-                                           scheduler=sched, cursors=cursors, config=cfg.to_dict())
+                                           scheduler=None, cursors=cursors, config=cfg.to_dict())
         bar.close()
         logger.close()
 
@@ -342,7 +350,7 @@ def train(cfg: C.Config) -> dict:
                 "sample_problem": ids[0],
                 "sample": tok.decode(sample.completion_ids[0], skip_special_tokens=True)}
     metrics.write_json_atomic(run_dir / metrics.SUMMARY_FILE, summary)
-    print("\n".join(f"{k:>18}: {v:.4f}" if isinstance(v, float) else f"{k:>18}: {v}"
+    print("\n".join(f"{k:>18}: {v:.4f}" if isinstance(v, float) else f"{k:>18}: {v!r}"
                     for k, v in summary.items()))
     return summary
 
