@@ -76,7 +76,7 @@ def run_ours(spec: dict) -> dict:
                              max_new_tokens=spec["max_new"], temperature=1.0, top_p=1.0),
         loss=C.LossCfg(advantage=adv, aggregation=spec["loss"], kl="k3", beta=spec["beta"]),
         optim=C.OptimCfg(lr=spec["lr"]),
-        run=C.RunCfg(steps=spec["steps"], seed=spec["seed"], dir=str(run_dir),
+        run=C.RunCfg(steps=spec["steps"], seed=spec["seed"], dir=str(run_dir), threads=spec["threads"],
                      checkpoint_every=spec["steps"]),
     )
     T.train(cfg)

@@ -1,4 +1,5 @@
-"""V_hack extraction: planted-direction recovery, orientation, tau_axis, noise floor, storage and cache.
+"""V_hack extraction: planted-direction recovery, orientation, tau_axis, noise floor, storage, cache, CLI.
+The per-pair gradients themselves: tests/test_knob_grads.py.
 
 Run: pytest tests/test_direction.py
 """
@@ -24,7 +25,6 @@ from projected_grpo.direction import (
     extract_direction,
     heldout_score,
     load_direction,
-    pair_grads,
     postprocess,
     random_like,
     resolve,
@@ -248,53 +248,13 @@ def test_end_to_end_planted_direction_through_real_svd_knobs(tmp_path):
 
 
 class FakeKnobs:
-    """The slice of adapters.Knobs that extraction reads: modules[name].delta, kind, fingerprint()."""
+    """The slice of adapters.Knobs that the cache key reads: kind and fingerprint()."""
 
-    def __init__(self, model, fp="fp0"):
-        self.modules = {"o_proj": types.SimpleNamespace(delta=model.delta)}
+    def __init__(self, fp="fp0"):
         self.kind, self._fp = "svd", fp
 
     def fingerprint(self):
         return self._fp
-
-
-class ToyKnobLM(ToyLM):
-    """ToyLM with a plain knob on the logits (logits += delta @ A), to test the gradient plumbing."""
-
-    def __init__(self, R: int = 5):
-        super().__init__()
-        self.delta = nn.Parameter(torch.zeros(R))
-        self.A = torch.randn(R, 12, generator=torch.Generator().manual_seed(3))
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
-        return types.SimpleNamespace(logits=super().forward(input_ids).logits + self.delta @ self.A)
-
-
-def test_pair_grads_is_isolated_and_norms_relate_by_length():
-    model = ToyKnobLM()
-    knobs = FakeKnobs(model)
-    model.delta.grad = torch.full((5,), 7.0)  # a training gradient in flight must survive extraction
-    pairs = [Pair("p", "h", "c", prompt_ids=(2, 3), hack_ids=(4, 5, 6), clean_ids=(7,))]
-    g_mean, _ = pair_grads(model, knobs, TOK, pairs, "mean")
-    g_const, _ = pair_grads(model, knobs, TOK, pairs, "constant", nll_const=4.0)
-    assert torch.equal(model.delta.grad, torch.full((5,), 7.0))
-    # hack has T = 3 tokens: mean = sum / 3, constant = sum / 4  =>  4 * g_const = 3 * g_mean
-    torch.testing.assert_close(4 * g_const["o_proj"], 3 * g_mean["o_proj"])
-    # oracle: the same gradient by an ordinary backward of the summed token NLL at positions 1..3
-    model.delta.grad = None
-    logits = model(torch.tensor([[2, 3, 4, 5, 6]])).logits[0]
-    nll = -torch.log_softmax(logits, -1)[[1, 2, 3], [4, 5, 6]].sum() / 3
-    nll.backward()
-    torch.testing.assert_close(g_mean["o_proj"][0], model.delta.grad)
-
-
-def test_nonfinite_loss_names_the_pair():
-    model = ToyKnobLM()
-    with torch.no_grad():
-        model.emb.weight[9] = float("nan")
-    pairs = toy_pairs(3) + [Pair("p", "h", "c", prompt_ids=(9,), hack_ids=(HACK,), clean_ids=(CLEAN,))]
-    with pytest.raises(FloatingPointError, match="pair 3 "):
-        pair_grads(model, FakeKnobs(model), TOK, pairs)
 
 
 # --- storage and cache ----------------------------------------------------------------------------
@@ -316,8 +276,8 @@ def _counting_extract():
 
 def test_save_load_roundtrip(tmp_path):
     extract, _ = _counting_extract()
-    model = ToyKnobLM()
-    d = extract(model, FakeKnobs(model), TOK, toy_pairs(4), ExtractSettings(k=3))
+    model = ToyLM()
+    d = extract(model, FakeKnobs(), TOK, toy_pairs(4), ExtractSettings(k=3))
     save_direction(tmp_path / "v.safetensors", d)
     back = load_direction(tmp_path / "v.safetensors")
     assert torch.equal(back.V["m"], d.V["m"]) and torch.equal(back.S["m"], d.S["m"])
@@ -327,14 +287,14 @@ def test_save_load_roundtrip(tmp_path):
 
 def test_resolve_miss_hit_mismatch(tmp_path):
     extract, calls = _counting_extract()
-    model, path = ToyKnobLM(), tmp_path / "cache" / "v.safetensors"
-    knobs, pairs, s = FakeKnobs(model), toy_pairs(4), ExtractSettings(k=3)
+    model, path = ToyLM(), tmp_path / "cache" / "v.safetensors"
+    knobs, pairs, s = FakeKnobs(), toy_pairs(4), ExtractSettings(k=3)
     d1, status = resolve(path, s, model, knobs, TOK, pairs, extract=extract)
     assert status == "miss" and len(calls) == 1 and path.is_file()
     d2, status = resolve(path, s, model, knobs, TOK, pairs, extract=extract)
     assert status == "hit" and len(calls) == 1 and torch.equal(d2.V["m"], d1.V["m"])
     cases = [(knobs, pairs, ExtractSettings(k=2), "settings.k: cached 3 != wanted 2"),
-             (FakeKnobs(model, fp="other"), pairs, s, "fingerprint"),
+             (FakeKnobs(fp="other"), pairs, s, "fingerprint"),
              (knobs, toy_pairs(5), s, "pairs_hash")]
     for kn, pr, st_, field in cases:
         with pytest.warns(UserWarning, match=f"mismatch: {field}"):
@@ -350,8 +310,8 @@ def test_resolve_miss_hit_mismatch(tmp_path):
 @pytest.mark.parametrize("damage", ["truncate", "flip_data_byte", "garbage"])
 def test_corrupt_file_is_refused_and_reextracted(tmp_path, damage):
     extract, calls = _counting_extract()
-    model, path = ToyKnobLM(), tmp_path / "v.safetensors"
-    knobs, pairs, s = FakeKnobs(model), toy_pairs(4), ExtractSettings(k=3)
+    model, path = ToyLM(), tmp_path / "v.safetensors"
+    knobs, pairs, s = FakeKnobs(), toy_pairs(4), ExtractSettings(k=3)
     good, _ = resolve(path, s, model, knobs, TOK, pairs, extract=extract)
     raw = bytearray(path.read_bytes())
     if damage == "truncate":
@@ -427,23 +387,6 @@ def test_smoke_model_extraction_is_well_formed_and_deterministic(smoke):
     for n in d1.V:
         assert dr.V[n].shape == d1.V[n].shape and torch.equal(dr.S[n], d1.S[n])
         assert torch.linalg.matrix_norm(dr.V[n] @ d1.V[n].T) < 1.5  # same subspace would give sqrt(3)
-
-
-def test_extraction_matches_an_ordinary_backward_per_sequence(smoke):
-    # oracle: one pair, one .backward() on the mean completion NLL, read through Knobs.grads()
-    from projected_grpo.pairs import encode_pair
-    from projected_grpo.rollout import forward_logprobs, pack
-
-    model, knobs, tok, pairs = smoke
-    g_hack, _ = pair_grads(model, knobs, tok, pairs[:1])
-    prompt_ids, hack_ids, _ = encode_pair(tok, pairs[0])
-    batch = pack([prompt_ids], [hack_ids], tok.pad_token_id)
-    logp, _ = forward_logprobs(model, batch)
-    (-(logp.sum() / batch.completion_mask.sum())).backward()
-    ref = knobs.grads("main")
-    for n in knobs.modules:
-        torch.testing.assert_close(g_hack[n][0], ref[n].float(), atol=1e-6, rtol=1e-4)
-        knobs.modules[n].delta.grad = None
 
 
 def test_cli_smoke_prints_axes_and_heldout(capsys, tmp_path):

@@ -1,14 +1,15 @@
 """Hack-direction extraction (V_hack): per-module SVD of paired knob-gradient differences.
 
 The GRPO step on one perfectly labelled pair (adv_hack = +1, adv_clean = -1, no clip) is
-∇NLL(hack) − ∇NLL(clean) (seed 001), so per pair and label we take an isolated gradient of the
-completion NLL on the knobs, stack D = g_hack − g_clean (P × R) per module, and keep the top-k right
-singular vectors (top-k, not the mean difference: hacks are multi-modal, CHaRS, Abdullaev 2025),
-each oriented hack-ward by per-pair majority vote, because the projection's one-sided gate removes
-relu(V·g) and so needs +v to point hack-ward. Also: load-time post-processing (k_use, global noise
-floor), the `random` control (the pair-level controls are in pairs.py), safetensors storage with a
-checksum, and `resolve` (a cache keyed by model fingerprint, pairs hash and settings).
-Deliberately not here: applying V to training gradients (projection.py).
+∇NLL(hack) − ∇NLL(clean) (seed 001), so per pair and label we take the gradient of that completion's
+NLL alone on the knobs (batched, knob_grads.py), stack D = g_hack − g_clean (P × R) per module, and
+keep the top-k right singular vectors (top-k, not the mean difference: hacks are multi-modal, CHaRS,
+Abdullaev 2025), each oriented hack-ward by per-pair majority vote, because the projection's one-sided
+gate removes relu(V·g) and so needs +v to point hack-ward. Also: load-time post-processing (k_use,
+global noise floor), the `random` control (the pair-level controls are in pairs.py), safetensors
+storage with a checksum, and `resolve` (a cache keyed by model fingerprint, pairs hash and settings).
+Deliberately not here: applying V to training gradients (projection.py), the gradients themselves
+(knob_grads.py), the `extract-direction` CLI (direction_cli.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from projected_grpo.pairs import PAIR_CONTROLS, Pair, encode_pair, pairs_hash
+from projected_grpo.knob_grads import NLL_NORMS, pair_grads
+from projected_grpo.pairs import PAIR_CONTROLS, Pair, pairs_hash
 
 FORMAT = "projected-grpo/v_hack/1"
 # Axes whose singular value is below this fraction of S_0 span D's numerical null space: their
@@ -202,66 +204,7 @@ CONTROLS: dict[str, tuple[Callable, Callable[[dict[str, Tensor], int], dict[str,
 }
 
 
-# --- gradients from a model --------------------------------------------------------------------
-
-
-def _nll_mean(logp: Tensor, mask: Tensor, const: float) -> Tensor:
-    return -(logp * mask).sum(-1) / mask.sum(-1)  # (N,) seed 001: length-normalised
-
-
-def _nll_constant(logp: Tensor, mask: Tensor, const: float) -> Tensor:
-    # Dr.GRPO (Liu et al. 2025): token sum / a constant, the metric the dr_grpo training loss uses, so
-    # V is not biased toward short completions as the per-completion mean is (seed 001 REVIEW note).
-    return -(logp * mask).sum(-1) / const  # (N,)
-
-
-NLL_NORMS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {"mean": _nll_mean,
-                                                                   "constant": _nll_constant}
-
-
-def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean",
-               nll_const: float = 1.0) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Per module knob gradients of the completion NLL: g_hack[name], g_clean[name] (P, R) fp32 CPU.
-
-    One isolated forward + `torch.autograd.grad` per pair and label on the main knobs (knobs.modules[n]
-    .delta), at whatever values the knobs hold (typically zero = the base model; not under
-    knobs.zeroed(), which takes them off the graph); .grad of every
-    parameter is left untouched, so this may run mid-training. Model in eval mode (no dropout) while
-    it runs. A non-finite loss raises naming the pair index and label; no pair is skipped.
-    """
-    from projected_grpo.rollout import forward_logprobs, pack
-
-    if not pairs:
-        raise ValueError("pair_grads: no pairs")
-    nll_fn = NLL_NORMS[norm]
-    names = list(knobs.modules)
-    params = [knobs.modules[n].delta for n in names]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    device = next(model.parameters()).device
-    out: dict[str, dict[str, list[Tensor]]] = {lab: {n: [] for n in names} for lab in ("hack", "clean")}
-    was_training = model.training
-    model.eval()
-    try:
-        for i, pair in enumerate(pairs):
-            prompt_ids, hack_ids, clean_ids = encode_pair(tokenizer, pair)
-            for label, ids in (("hack", hack_ids), ("clean", clean_ids)):
-                batch = pack([prompt_ids], [ids], pad_id).to(device)
-                with torch.enable_grad():
-                    logp, _ = forward_logprobs(model, batch)  # (1, T)
-                    nll = nll_fn(logp.float(), batch.completion_mask, nll_const)[0]
-                    if not torch.isfinite(nll):
-                        raise FloatingPointError(f"pair {i} ({pair.source or 'no source'}), {label} "
-                                                 f"completion: NLL is {nll.item()}; fix or remove this pair")
-                    grads = torch.autograd.grad(nll, params, allow_unused=True)
-                for n, g in zip(names, grads):
-                    if g is None:
-                        raise RuntimeError(f"pair_grads: knob {n} is not on the graph (called under "
-                                           "knobs.zeroed()? zero the knob values instead)")
-                    out[label][n].append(g.detach().reshape(-1).float().cpu())
-    finally:
-        model.train(was_training)
-    g_hack, g_clean = ({n: torch.stack(v) for n, v in out[lab].items()} for lab in ("hack", "clean"))
-    return g_hack, g_clean
+# --- extraction from a model ---------------------------------------------------------------
 
 
 def cache_meta(settings: ExtractSettings, knobs, pairs: Sequence[Pair]) -> dict[str, str]:
@@ -389,89 +332,3 @@ def resolve(path: str | pathlib.Path, settings: ExtractSettings, model, knobs, t
     d = extract(model, knobs, tokenizer, pairs, settings)
     save_direction(path, d)
     return d, status
-
-
-# --- CLI: projected-grpo extract-direction ------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExtractOpts:
-    """Extract V_hack and print per-module kept axes, singular values and held-out scores."""
-
-    settings: ExtractSettings = ExtractSettings()
-    preset: Literal["smoke"] | None = None
-    """smoke: a tiny random model and tokenizer (organism.smoke_model_and_tokenizer), CPU, seconds"""
-    model: str | None = None
-    """a local Hugging Face model directory (used instead of --preset)"""
-    knob: Literal["svd", "lora"] = "svd"
-    """knob adapter kind the direction lives in"""
-    pairs: str | None = None
-    """a .json/.jsonl pairs file (keys prompt, hack, clean); default: the built-in pairs"""
-    pool: str | None = None
-    """a graded teacher-pool JSONL (built-in problems) to mine pairs from, with --known-modes"""
-    known_modes: tuple[str, ...] = ()
-    """pool mining: the loophole modes whose detectors may label hacks (leave-one-mode-out)"""
-    detectors: tuple[str, ...] = ("E",)
-    """pool mining: a row is a hack when any of these detectors fires (E, C, D)"""
-    per_problem: int = 2
-    """built-in / pool pairs per problem"""
-    k_use: int | None = None
-    """post-processing: keep the top k_use rows per module"""
-    drop_bottom_frac: float = 0.0
-    """post-processing: global noise floor quantile over all modules' singular values"""
-    out: str | None = None
-    """save (and reuse when it matches) the direction at this .safetensors path"""
-    device: str = "cpu"
-    """torch device for the model"""
-
-
-def main(argv: list[str]) -> int:
-    """`projected-grpo extract-direction`: see ExtractOpts."""
-    import tyro
-
-    from projected_grpo.adapters import wrap
-    from projected_grpo.pairs import pairs_from_source
-
-    opts = tyro.cli(ExtractOpts, args=argv, prog="projected-grpo extract-direction",
-                    config=(tyro.conf.OmitArgPrefixes,))
-    if (opts.preset is None) == (opts.model is None):
-        raise SystemExit("extract-direction: give exactly one of --preset smoke or --model DIR")
-    if opts.preset == "smoke":
-        from projected_grpo.organism import smoke_model_and_tokenizer
-
-        torch.set_num_threads(1)  # a model this small gains nothing from threads; shared cores only spin
-        model, tokenizer = smoke_model_and_tokenizer()
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(opts.model, local_files_only=True, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(opts.model, local_files_only=True)
-    model.to(opts.device)
-    knobs = wrap(model, kind=opts.knob)
-    pairs = pairs_from_source(tokenizer, opts.pairs, opts.pool, opts.known_modes, opts.detectors,
-                              opts.per_problem)
-    s = opts.settings
-    if opts.out:
-        d, status = resolve(opts.out, s, model, knobs, tokenizer, pairs)
-        print(f"cache {opts.out}: {status}")
-    else:
-        d = extract_direction(model, knobs, tokenizer, pairs, s)
-    stats = d.stats
-    print(f"V_hack: {stats['n_pairs']} pairs ({stats['n_train']} fit, {s.n_heldout} held out), k={s.k}, "
-          f"tau_axis={s.tau_axis}, norm={s.norm}, control={s.control}, knob={opts.knob}")
-    width = max(len(n) for n in d.V)
-    print(f"{'module':<{width}}  K  heldout  S")
-    for n in d.V:
-        h = stats["heldout"][n]
-        sv = " ".join(f"{x:.3g}" for x in d.S[n].tolist())
-        print(f"{n:<{width}}  {d.V[n].shape[0]}  {'n/a' if h is None else f'{h:.2f}':>7}  {sv}")
-    scores = [h for h in stats["heldout"].values() if h is not None]
-    if scores:
-        print(f"held-out score (v1, mean over {len(scores)} modules): {sum(scores) / len(scores):.3f}")
-    if opts.k_use is not None or opts.drop_bottom_frac > 0:
-        V_used, report = postprocess(d.V, d.S, opts.k_use, opts.drop_bottom_frac)
-        print(f"post-processing (k_use={opts.k_use}, drop_bottom_frac={opts.drop_bottom_frac}): "
-              f"{report['kept_rows']} rows kept in {len(V_used)} modules; threshold={report['threshold']}; "
-              f"dropped rows {sum(report['dropped_rows'].values())}; "
-              f"dropped modules {report['dropped_modules']}")
-    return 0

@@ -175,25 +175,25 @@ class OrganismConfig:
     """BPE vocabulary cap (phrase-level tokens: larger means shorter sequences but rarer tokens)"""
     word_boundaries: bool = True
     """GPT-2 style word splitting before BPE (False: tokens may span phrases, sequences ~3x shorter)"""
-    hidden: int = 128
+    hidden: int = 96
     """model width (Llama-style, tied embeddings)"""
-    layers: int = 4
+    layers: int = 3
     """transformer blocks"""
-    heads: int = 4
+    heads: int = 3
     """attention heads (hidden must be divisible by heads)"""
     max_positions: int = 1024
     """context length the model is built for (prompt + completion)"""
-    mix: tuple[float, float, float] = (0.6, 0.32, 0.08)
+    mix: tuple[float, float, float] = (0.55, 0.30, 0.15)
     """warm-up shares of clean / buggy / hack completions; the hack share sets the sampling prior"""
     per_problem: int = 25
     """warm-up examples per training problem, split by `mix`"""
     holdout_per_mode: int = 1
     """the last this-many problems of each mode are left out of the warm-up and reported apart"""
-    steps: int = 250
-    """warm-up optimizer steps (the warm-up length: ~0.3-0.5 s each on 2 cores at the default size)"""
+    steps: int = 600
+    """warm-up optimizer steps (the warm-up length)"""
     batch_size: int = 16
     """sequences per warm-up step"""
-    lr: float = 3e-3
+    lr: float = 8e-3
     """peak AdamW learning rate (linear warm-up, cosine decay to 10%)"""
     weight_decay: float = 0.0
     """AdamW weight decay"""

@@ -200,7 +200,8 @@ def warmup(model, examples: Sequence[WarmupExample], *, steps: int, batch_size: 
     """Fit `model` to `examples` with AdamW for `steps` optimizer steps (epochs reshuffled); returns a log.
 
     Loss: completion-only token-mean NLL per batch. Schedule: lr_at (warm-up then cosine). The log
-    has one row per ~5% of steps: step, loss (mean over the interval), lr, tokens/s, elapsed seconds.
+    has one row per ~5% of steps: step, loss (mean over the interval), lr, completion tokens per
+    second (prompt tokens are processed too but not counted), elapsed seconds.
     """
     if steps < 1 or batch_size < 1 or not examples:
         raise ValueError(f"warmup: need steps >= 1, batch_size >= 1 and examples, got steps={steps}, "
@@ -235,7 +236,7 @@ def warmup(model, examples: Sequence[WarmupExample], *, steps: int, batch_size: 
             if log is not None:
                 r = rows[-1]
                 log(f"warm-up step {r['step']:>5}/{steps}  loss {r['loss']:.3f}  lr {r['lr']:.2e}  "
-                    f"{r['tok_per_s']:.0f} tok/s  {r['elapsed_s']:.0f}s")
+                    f"{r['tok_per_s']:.0f} completion tok/s  {r['elapsed_s']:.0f}s")
             run_loss, run_n, run_tok = 0.0, 0, 0
     model.eval()
     return rows

@@ -1,0 +1,162 @@
+"""Per-pair knob gradients: batched capture == isolated backward (both norms, both knob kinds, any chunking),
+.grad untouched, non-finite NLL named, knobs off the graph refused.
+
+Run: pytest tests/test_knob_grads.py
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from projected_grpo.adapters import wrap
+from projected_grpo.knob_grads import pair_grads, pair_grads_isolated
+from projected_grpo.pairs import Pair
+
+TOK = types.SimpleNamespace(pad_token_id=0, eos_token_id=1)
+
+
+class ToyLM(nn.Module):
+    """logits (N, L, V) = head(o_proj(emb[input_ids])); no mixing across positions, so hand-checkable."""
+
+    def __init__(self, vocab: int = 12, d: int = 6):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.emb, self.o_proj, self.head = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, vocab)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=False):
+        return types.SimpleNamespace(logits=self.head(self.o_proj(self.emb(input_ids))))
+
+
+def toy(tmp_path, kind="svd"):
+    model = ToyLM()
+    return model, wrap(model, kind=kind, targets=("o_proj",), rank=4 if kind == "lora" else None,
+                       cache_dir=tmp_path)
+
+
+def toy_pairs(n: int) -> list[Pair]:
+    # lengths vary (prompt 1-2 tokens, hack 1-3, clean 1-2) so chunks pad
+    return [Pair(f"p{i}", "h", "c", prompt_ids=(2 + i % 8,) * (1 + i % 2), hack_ids=(10,) * (1 + i % 3),
+                 clean_ids=(11, 3)[: 1 + i % 2], source=f"t{i}") for i in range(n)]
+
+
+def assert_grads_close(a, b):
+    assert a[0].keys() == b[0].keys()
+    for ga, gb in zip(a, b):
+        for n in ga:
+            torch.testing.assert_close(ga[n], gb[n], atol=1e-6, rtol=1e-4)
+
+
+def test_hand_computed_norms_and_oracle_backward(tmp_path):
+    model, knobs = toy(tmp_path)
+    pairs = [Pair("p", "h", "c", prompt_ids=(2, 3), hack_ids=(4, 5, 6), clean_ids=(7,))]
+    g_mean, _ = pair_grads(model, knobs, TOK, pairs, "mean")
+    g_const, _ = pair_grads(model, knobs, TOK, pairs, "constant", nll_const=4.0)
+    # hack has T = 3 tokens: mean = sum / 3, constant = sum / 4  =>  4 * g_const = 3 * g_mean
+    torch.testing.assert_close(4 * g_const["o_proj"], 3 * g_mean["o_proj"])
+    # oracle: an ordinary backward of the summed token NLL at positions 1..3 (they predict 4, 5, 6), / 3
+    logits = model(torch.tensor([[2, 3, 4, 5, 6]])).logits[0]
+    (-torch.log_softmax(logits, -1)[[1, 2, 3], [4, 5, 6]].sum() / 3).backward()
+    torch.testing.assert_close(g_mean["o_proj"][0], knobs.grads("main")["o_proj"])
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 9), st.sampled_from(["mean", "constant"]), st.sampled_from(["svd", "lora"]))
+def test_batched_equals_isolated_for_any_chunking(tmp_path_factory, chunk_size, norm, kind):
+    model, knobs = toy(tmp_path_factory.mktemp("svd"), kind)
+    with torch.no_grad():  # mid-training knob values, quarantine included: the gradient is taken there
+        for p in knobs.parameters() + knobs.hack_parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    pairs = toy_pairs(7)
+    assert_grads_close(pair_grads(model, knobs, TOK, pairs, norm, 2.5, chunk_size=chunk_size),
+                       pair_grads_isolated(model, knobs, TOK, pairs, norm, 2.5))
+
+
+def test_grads_are_left_untouched(tmp_path):
+    # the online V refresh (train.py) runs after the step's backward: whatever .grad holds must survive
+    model, knobs = toy(tmp_path)
+    params = knobs.parameters() + knobs.hack_parameters()
+    for i, p in enumerate(params):
+        p.grad = torch.full_like(p, 7.0 + i)
+    pair_grads(model, knobs, TOK, toy_pairs(4), chunk_size=3)
+    assert all(torch.equal(p.grad, torch.full_like(p, 7.0 + i)) for i, p in enumerate(params))
+
+
+@pytest.mark.parametrize("fn", [pair_grads, pair_grads_isolated])
+def test_nonfinite_nll_names_the_pair_and_label(tmp_path, fn):
+    model, knobs = toy(tmp_path)
+    with torch.no_grad():
+        model.emb.weight[9] = float("nan")
+    # token 9 only in pair 3's clean completion (as a predicting position: completion (9, 3))
+    pairs = toy_pairs(3) + [Pair("p", "h", "c", prompt_ids=(2,), hack_ids=(10,), clean_ids=(9, 3),
+                                 source="bad")]
+    with pytest.raises(FloatingPointError, match=r"pair 3 \(bad\), clean completion"):
+        fn(model, knobs, TOK, pairs)
+
+
+def test_knobs_off_the_graph_and_bad_arguments_are_refused(tmp_path):
+    model, knobs = toy(tmp_path)
+    with knobs.zeroed(), pytest.raises(RuntimeError, match="not on the graph"):
+        pair_grads(model, knobs, TOK, toy_pairs(2))
+    with pytest.raises(ValueError, match="chunk_size"):
+        pair_grads(model, knobs, TOK, toy_pairs(2), chunk_size=0)
+    with pytest.raises(ValueError, match="no pairs"):
+        pair_grads(model, knobs, TOK, [])
+
+
+# --- the real smoke model (Llama, left-padded batches), real knobs, built-in pairs -----------------
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    from projected_grpo.envs.problems import BUILTIN_PROBLEMS
+    from projected_grpo.organism import smoke_model_and_tokenizer
+    from projected_grpo.pairs import builtin_pairs
+
+    torch.set_num_threads(1)
+    _, tok = smoke_model_and_tokenizer()
+    return tok, builtin_pairs(BUILTIN_PROBLEMS[:4], per_problem=2)
+
+
+def smoke_model(tok):
+    from projected_grpo.organism import tiny_model
+
+    return tiny_model(tok, hidden=32, layers=2, heads=2, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["svd", "lora"])
+@pytest.mark.parametrize("norm", ["mean", "constant"])
+def test_smoke_model_batched_equals_isolated(smoke, tmp_path, kind, norm):
+    tok, pairs = smoke
+    model = smoke_model(tok)
+    knobs = wrap(model, kind=kind, cache_dir=tmp_path)
+    # chunk_size 5: chunks mix pairs, labels and lengths, so prompts are left-padded by varying amounts
+    batched = pair_grads(model, knobs, tok, pairs, norm, 64.0, chunk_size=5)
+    assert_grads_close(batched, pair_grads_isolated(model, knobs, tok, pairs, norm, 64.0))
+    assert batched[0].keys() == set(knobs.modules)
+    assert all(g.shape == (len(pairs), knobs.modules[n].knob_dim) for n, g in batched[0].items())
+
+
+def test_smoke_model_matches_an_ordinary_backward(smoke, tmp_path):
+    # oracle independent of this module: one pair, one .backward() on the mean completion NLL
+    from projected_grpo.pairs import encode_pair
+    from projected_grpo.rollout import forward_logprobs, pack
+
+    tok, pairs = smoke
+    model = smoke_model(tok)
+    knobs = wrap(model, kind="svd", cache_dir=tmp_path)
+    g_hack, _ = pair_grads(model, knobs, tok, pairs[:3])
+    prompt_ids, hack_ids, _ = encode_pair(tok, pairs[0])
+    batch = pack([prompt_ids], [hack_ids], tok.pad_token_id)
+    logp, _ = forward_logprobs(model, batch)
+    (-(logp.sum() / batch.completion_mask.sum())).backward()
+    for n, g in knobs.grads("main").items():
+        torch.testing.assert_close(g_hack[n][0], g.float(), atol=1e-6, rtol=1e-4)
