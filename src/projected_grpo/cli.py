@@ -14,7 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "build-organism": ("build or load the embedded organism, print checks", "projected_grpo.organism:main"),
     "sandbox-run": ("run a .py file in the sandbox (JSON)", "projected_grpo.envs.sandbox:sandbox_run_cli"),
-    "extract-direction": ("extract V_hack, the per-module hack directions", "projected_grpo.direction_cli:main"),
+    "extract-direction": ("extract V_hack, per-module hack directions", "projected_grpo.direction_cli:main"),
     "check-grader": ("self-check loophole graders + oracle", "projected_grpo.envs.selfcheck:check_grader"),
     "build-pool": ("build, grade once and freeze a teacher pool", "projected_grpo.pool:build_pool_main"),
     "train": ("GRPO training run: --preset P --arm none|erase|route", "projected_grpo.train:main"),
