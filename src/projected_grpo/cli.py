@@ -11,15 +11,15 @@ import importlib
 import sys
 
 # name -> (one-line help, "module:function taking argv: list[str] and returning an exit code")
-COMMANDS: dict[str, tuple[str, str]] = {
+COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
+    "demo": ("make demo: none/erase/route on the organism, report", "projected_grpo.experiment:demo_main"),
+    "experiment": ("sweep arms x seeds (or --lomo MODE); report + plot", "projected_grpo.experiment:main"),
+    "train": ("GRPO training run: --preset P --arm none|erase|route", "projected_grpo.train:main"),
     "build-organism": ("build or load the embedded organism, print checks", "projected_grpo.organism:main"),
-    "sandbox-run": ("run a .py file in the sandbox (JSON)", "projected_grpo.envs.sandbox:sandbox_run_cli"),
+    "build-pool": ("build, grade once and freeze a teacher pool", "projected_grpo.pool:build_pool_main"),
     "extract-direction": ("extract V_hack, per-module hack directions", "projected_grpo.direction_cli:main"),
     "check-grader": ("self-check loophole graders + oracle", "projected_grpo.envs.selfcheck:check_grader"),
-    "build-pool": ("build, grade once and freeze a teacher pool", "projected_grpo.pool:build_pool_main"),
-    "train": ("GRPO training run: --preset P --arm none|erase|route", "projected_grpo.train:main"),
-    "experiment": ("sweep arms x seeds (or --lomo MODE); report + plot", "projected_grpo.experiment:main"),
-    "demo": ("make demo: none/erase/route on the organism, report", "projected_grpo.experiment:demo_main"),
+    "sandbox-run": ("run a .py file in the sandbox (JSON)", "projected_grpo.envs.sandbox:sandbox_run_cli"),
 }
 
 
