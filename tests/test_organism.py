@@ -1,4 +1,4 @@
-"""organism.py + warmup.py: tokenizer, tiny model, warm-up mix, cache key, build/load, checks."""
+"""organism.py, warmup.py, organism_checks.py: tokenizer, tiny model, warm-up mix, cache key, checks."""
 
 from __future__ import annotations
 
@@ -24,11 +24,16 @@ from projected_grpo.organism import (
     build_tokenizer,
     load_organism,
     main,
-    organism_checks,
     organism_key,
     smoke_model_and_tokenizer,
-    summarize_grades,
     tiny_model,
+)
+from projected_grpo.organism_checks import (
+    TARGET_HACK,
+    TARGET_SOLVE,
+    format_checks,
+    organism_checks,
+    summarize_grades,
 )
 from projected_grpo.rollout import encode_completion, encode_prompt, generate
 from projected_grpo.warmup import (
@@ -312,6 +317,9 @@ def test_checks_grade_real_samples(built, small_corpus):
     assert rates["train"]["n"] == 2 and rates["held_out"]["n"] == 2  # problem 0 trains, problem 1 held out
     assert checks["truncated_frac"] <= 1 and 1 <= checks["mean_tokens"] <= 16
     assert all(0 <= r[k] <= 1 for r in rates.values() for k in ("solve", "hack", "pass", "format"))
+    text = format_checks(checks)
+    assert f"vs target {TARGET_SOLVE[0]:.0%}-{TARGET_SOLVE[1]:.0%}" in text and "held_out" in text
+    assert f"vs target {TARGET_HACK[0]:.0%}-{TARGET_HACK[1]:.0%}" in text
 
 
 def test_cli_builds_and_copies(tmp_path, capsys):

@@ -105,14 +105,14 @@ def test_sleep_past_timeout(pool):
 
 def test_busy_loop_in_thread(pool):
     # the main thread returns at once, but a non-daemon thread keeps the program alive (as in CPython)
-    _run(pool, "import threading\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()\n",
+    _run(pool, "import threading\nthreading.Thread(target=lambda: any(iter(int, 1))).start()\n",
          "timeout")
 
 
 def test_busy_threads_hit_cpu_limit(pool):
     # 4 spinning threads burn CPU seconds faster than wall seconds: RLIMIT_CPU or the wall clock ends it
     code = ("import threading\nfor _ in range(4):\n"
-            "    threading.Thread(target=lambda: [0 for _ in iter(int, 1)]).start()\n")
+            "    threading.Thread(target=lambda: any(iter(int, 1))).start()\n")
     _run(pool, code, "timeout")
 
 

@@ -6,9 +6,10 @@
   lora : frozen semi-orthonormal A (r×d_in) from a seeded QR; forward adds (x·Aᵀ)·(B + B_hack)ᵀ.
 W is never rebuilt in the forward. Knobs are fp32 master values cast to the activation dtype.
 `Knobs.zeroed()` skips every knob branch, so the forward *is* the base model's (bit-identical): the
-KL reference costs no second copy. δS_hack is detached in the forward: it moves only by what the
-`route` arm sends it (gradient routing), never by its own gradient. Not done here: the per-source
-gradient split (split.py) and projection (projection.py).
+KL reference costs no second copy. `Knobs.merged()` (no-grad sampling) folds the knobs into a
+separate W_eff per Linear, so generation costs what the plain model's does. δS_hack is detached in the
+forward: it moves only by what the `route` arm sends it (gradient routing), never by its own gradient.
+Not done here: the per-source gradient split (split.py) and projection (projection.py).
 """
 
 from __future__ import annotations
@@ -22,16 +23,21 @@ import os
 import pathlib
 import shutil
 import tempfile
-import warnings
 import zlib
 from collections.abc import Iterator
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import load_file
 from torch import nn
+from torch.nn import functional as F
 
 from projected_grpo import split
+from projected_grpo.svd_cache import (
+    _atomic_save,
+    svd_cached,
+    weight_hash,
+)
 
 # Llama/Qwen attention + MLP projections, and GatedDeltaNet linear attention (Qwen3-Next: in_proj_qkvz,
 # in_proj_ba; Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; both: out_proj).
@@ -40,92 +46,7 @@ DEFAULT_TARGETS: tuple[str, ...] = (
     "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
 )
 DEFAULT_LORA_RANK = 16
-SVD_FORMAT = "svd-v1"  # bump when the cached content changes meaning
 KNOB_FORMAT = "knobs-v1"
-
-
-def default_cache_dir() -> pathlib.Path:
-    """`$PROJECTED_GRPO_CACHE/svd` if that variable is set, else `~/.cache/projected_grpo/svd`."""
-    root = os.environ.get("PROJECTED_GRPO_CACHE")
-    return (pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "projected_grpo") / "svd"
-
-
-def weight_hash(W: torch.Tensor) -> str:
-    """sha256 of W's raw bytes + dtype + shape; byte view, so bf16 (no numpy dtype) hashes too."""
-    h = hashlib.sha256(f"{W.dtype}|{tuple(W.shape)}|".encode())
-    h.update(W.detach().contiguous().cpu().view(torch.uint8).reshape(-1).numpy())
-    return h.hexdigest()
-
-
-def _tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for k in sorted(tensors):
-        h.update(k.encode())
-        h.update(tensors[k].contiguous().view(torch.uint8).reshape(-1).numpy())
-    return h.hexdigest()
-
-
-def _atomic_save(tensors: dict[str, torch.Tensor], path: pathlib.Path, metadata: dict[str, str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def _load_svd(path: pathlib.Path, W: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """Cached (U, S, Vh) if the file is intact and reconstructs W, else None after a warning."""
-    try:
-        t = load_file(path)
-        with safe_open(path, "pt") as f:
-            meta = f.metadata() or {}
-        d_out, d_in = W.shape
-        R = min(d_out, d_in)
-        U, S, Vh = t["U"], t["S"], t["Vh"]
-        problem = None
-        if meta.get("format") != SVD_FORMAT or meta.get("checksum") != _tensors_checksum(t):
-            problem = "checksum/format mismatch"
-        elif U.shape != (d_out, R) or S.shape != (R,) or Vh.shape != (R, d_in):
-            problem = (f"shapes {tuple(U.shape)}, {tuple(S.shape)}, {tuple(Vh.shape)} "
-                       f"do not fit W {tuple(W.shape)}")
-        elif not all(torch.isfinite(x).all() for x in (U, S, Vh)):
-            problem = "non-finite values"
-        else:
-            Wf = W.detach().float()
-            W_rec = (U.to(Wf) * S.to(Wf)) @ Vh.to(Wf)
-            err = torch.linalg.norm(W_rec - Wf) / torch.linalg.norm(Wf).clamp_min(1e-30)
-            if err > 1e-3:
-                problem = f"reconstruction error {err:.2e} (file is for another matrix)"
-    except (SafetensorError, OSError, ValueError, KeyError, RuntimeError) as e:
-        problem = f"unreadable ({type(e).__name__}: {e})"
-    if problem is not None:
-        warnings.warn(f"SVD cache file {path} is corrupt ({problem}); recomputing it", stacklevel=3)
-        return None
-    return U, S, Vh
-
-
-def svd_cached(W: torch.Tensor, cache_dir: pathlib.Path | None, key: str | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
-    """Reduced SVD of W (d_out, d_in) in fp32 -> U (d_out, R), S (R,), Vh (R, d_in), status.
-
-    status is "hit", "miss" or "corrupt" (a bad file is recomputed and rewritten, never trusted).
-    cache_dir None means `default_cache_dir()`; key: `weight_hash(W)` if already computed.
-    """
-    path = (cache_dir or default_cache_dir()) / f"{key or weight_hash(W)}.safetensors"
-    status = "miss"
-    if path.exists():
-        got = _load_svd(path, W)
-        if got is not None:
-            return *got, "hit"
-        status = "corrupt"
-    U, S, Vh = torch.linalg.svd(W.detach().float(), full_matrices=False)
-    t = {"U": U.cpu().contiguous(), "S": S.cpu().contiguous(), "Vh": Vh.cpu().contiguous()}
-    _atomic_save(t, path, {"format": SVD_FORMAT, "checksum": _tensors_checksum(t)})
-    return U, S, Vh, status
 
 
 class KnobLinear(nn.Module, abc.ABC):
@@ -142,8 +63,16 @@ class KnobLinear(nn.Module, abc.ABC):
         self.knob_dim = self.delta.numel()
         self.use_main, self.use_hack = True, True
         self.capture: split.Capture | None = None
+        # set by Knobs.merged(): ((use_main, use_hack) at merge time, W_eff; W itself when nothing is added)
+        self.merged: tuple[tuple[bool, bool], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # merged path only while the flags still match the merge (a zeroed() nested inside falls through)
+        if self.merged is not None and self.merged[0] == (self.use_main, self.use_hack):
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"{self.name}: forward with grad enabled inside Knobs.merged(); the "
+                                   "merged weight gives the knobs no gradient. Train outside merged()")
+            return F.linear(x, self.merged[1], self.base.bias)  # what nn.Linear's forward does, with W_eff
         y = self.base(x)
         if not self.use_main:  # zeroed(): exactly the base model, no add at all
             return y
@@ -152,6 +81,15 @@ class KnobLinear(nn.Module, abc.ABC):
         if self.capture is not None and watched.requires_grad:
             self.capture.watch(self.name, h, watched, self.per_sequence_grad)
         return y + out
+
+    def merge(self) -> None:
+        """Fold what the forward would add now (flags respected) into W_eff = W + ΔW (d_out, d_in): fp32
+        math, W's dtype, a new tensor (W untouched). Exactly-zero knobs (or zeroed()) merge to W itself:
+        no copy, the base model bit for bit."""
+        coef = (self.delta + self.delta_hack if self.use_hack else self.delta) if self.use_main else None
+        W = self.base.weight
+        W_eff = W if coef is None or not coef.any() else (W.float() + self.delta_weight(coef)).to(W.dtype)
+        self.merged = ((self.use_main, self.use_hack), W_eff)
 
     @abc.abstractmethod
     def branch(self, x: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -326,6 +264,32 @@ class Knobs:
     def ablate_quarantine(self):
         """Context: the quarantine knob left out of the forward (deployment view of `route`)."""
         return self._flags(None, False)
+
+    @contextlib.contextmanager
+    def merged(self) -> Iterator[Knobs]:
+        """Context for no-grad inference (sampling): each wrapped Linear runs F.linear(x, W_eff, bias) with
+        W_eff = W + U·diag(δS[+δS_hack])·Vh (svd) or W + (B[+B_hack])·A (lora), merged on entry from the
+        knob values and zeroed()/ablate_quarantine() flags of that moment, instead of its side path.
+
+        Outputs equal the unmerged forward up to float rounding of W + ΔW in W's dtype (fp32: ~1e-7
+        relative; bf16: an element of ΔW under half an ulp of W rounds away, an error of the same size
+        as the bf16 knob path's own rounding of y + out). Memory: one extra copy of
+        the wrapped weights while inside, freed on exit; knobs that are exactly zero use the base path (no
+        copy, bit-identical). Exit (also on an exception) restores the knob path exactly; W is never
+        written. Knob values changed inside are not seen; a forward with grad enabled inside raises.
+        """
+        if torch.is_grad_enabled():
+            raise RuntimeError("Knobs.merged() is for no-grad inference only (the merged weight gives the "
+                               "knobs no gradient): enter it inside torch.no_grad() (or inference_mode)")
+        if any(m.merged is not None for m in self.modules.values()):
+            raise RuntimeError("Knobs.merged() is already active; nest it at most once")
+        try:
+            for m in self.modules.values():
+                m.merge()
+            yield self
+        finally:
+            for m in self.modules.values():
+                m.merged = None
 
     @contextlib.contextmanager
     def capture(self, is_student: torch.Tensor, per_sequence: bool = False) -> Iterator[split.Capture]:

@@ -191,10 +191,13 @@ def train(cfg: C.Config) -> dict:
             todo, extra, resampled, t_gen, t_grade = list(range(len(pids))), 0, 0, 0.0, 0.0
             while True:
                 t0 = time.perf_counter()
-                ro = generate(model, [prompt_ids[pids[b]] for b in todo], R.G_s,
-                              max_new_tokens=R.max_new_tokens, temperature=R.temperature, top_p=R.top_p,
-                              seed=step_seed(cfg.run.seed, step, extra), eos_id=tok.eos_token_id,
-                              pad_id=tok.pad_token_id)
+                # merged(): sample at the plain model's cost. Behaviour log-probs change only by the float
+                # rounding of W + ΔW; the loss recomputes logp below via the knob path: same training math
+                with torch.no_grad(), knobs.merged():
+                    ro = generate(model, [prompt_ids[pids[b]] for b in todo], R.G_s,
+                                  max_new_tokens=R.max_new_tokens, temperature=R.temperature, top_p=R.top_p,
+                                  seed=step_seed(cfg.run.seed, step, extra), eos_id=tok.eos_token_id,
+                                  pad_id=tok.pad_token_id)
                 t1 = time.perf_counter()
                 texts = [tok.decode(c, skip_special_tokens=True) for c in ro.completion_ids]
                 grades = grader.grade_batch(texts, [by_id[pids[b]] for b in todo for _ in range(R.G_s)])
@@ -297,7 +300,7 @@ def train(cfg: C.Config) -> dict:
                     len(V_hack[n]), len(V_new[n])) for n in both) / max(1, len(both))
                 V_hack = V_new
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
-                with knobs.ablate_quarantine():
+                with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
                     ev = generate(model, [prompt_ids[i] for i in ids], 1, max_new_tokens=R.max_new_tokens,
                                   temperature=0.0, seed=0, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
                 eg = grader.grade_batch([tok.decode(c, skip_special_tokens=True) for c in ev.completion_ids],
@@ -342,7 +345,7 @@ def train(cfg: C.Config) -> dict:
         logger.close()
 
     # --- end: summary.json (last-5-step means) and a sample generation (greedy, quarantine ablated) ---
-    with knobs.ablate_quarantine():
+    with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
         sample = generate(model, [prompt_ids[ids[0]]], 1, max_new_tokens=R.max_new_tokens, temperature=0.0,
                           seed=0, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     summary = metrics.summarize(metrics.read_rows(run_dir / metrics.METRICS_FILE))

@@ -20,24 +20,22 @@ import io
 import json
 import math
 import os
-import random
 import resource
-import selectors
+import select
 import shutil
 import signal
 import stat
 import struct
 import sys
-import tempfile
-import threading
 import time
-import traceback
 
 # Imported once in the worker (see main) so that forked children import nothing: what LeetCode-style
-# setup code and solutions use.
+# setup code and solutions use. Never `threading` or `random` (nor `statistics`, which imports random):
+# their os.register_at_fork handlers would run in every child, each copying ~50-130 pages that the
+# program never needs; programs that use them import them (~1 ms), seeded afresh as in a new interpreter
+# (tests/test_sandbox.py checks that a child starts without them).
 PRELOAD = ("abc", "array", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal", "enum",
-           "fractions", "functools", "heapq", "itertools", "operator", "re", "statistics", "string",
-           "textwrap", "typing")
+           "fractions", "functools", "heapq", "itertools", "operator", "re", "string", "textwrap", "typing")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
@@ -50,7 +48,17 @@ MEMORY_TAG = b"M"
 MAX_DEPTH = 8  # directory levels searched for returned files
 SCRATCH_BYTES = 64 << 20  # size of each execution's scratch tmpfs (where mount namespaces work)
 MNT_DETACH = 2
+# bound at import: a program that replaces them cannot change what the child does after it. The C
+# excepthook is what CPython itself prints an uncaught exception with (the traceback module copies ~100
+# pages more in a fresh fork).
 _exit = os._exit
+_print_exception = sys.__excepthook__
+
+
+def child_env(scratch: str) -> dict[str, str]:
+    """The whole environment of a program (the worker adopts it, so a child inherits it untouched)."""
+    return {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch, "LANG": "C.UTF-8",
+            "PYTHONHASHSEED": "0"}
 
 
 def _check(ret: int, what: str) -> None:
@@ -129,14 +137,13 @@ def _confine(scratch: str, uid: int, limits: dict, timeout_s: float, fds: tuple)
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
-    _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
-    os.chdir(scratch)
-    os.environ.clear()
-    os.environ.update(PATH="/usr/local/bin:/usr/bin:/bin", HOME=scratch, TMPDIR=scratch,
-                      LANG="C.UTF-8", PYTHONHASHSEED="0")
+    # no_new_privs is inherited from the worker (set in main). The parent-death signal is not inherited
+    # and setuid clears it; in a pid namespace the worker's death kills every process in it anyway, and
+    # the first ctypes call in a child copies ~70 pages, so it is set only where there is none.
+    if not limits["pidns"]:
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    os.chdir(scratch)  # os.environ is the worker's, already set to child_env(scratch) (see main)
     sys.argv = ["main.py"]
-    random.seed()  # a fresh interpreter seeds from urandom; the fork would otherwise share state
 
 
 def _run_main(code: str) -> int:
@@ -154,12 +161,13 @@ def _run_main(code: str) -> int:
                 os.write(3, MEMORY_TAG)
             except OSError:
                 pass  # the program closed fd 3: reported as a plain error
-        try:  # as CPython prints it: without this wrapper's own frame
-            traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        try:  # as CPython prints it: without this wrapper's own frame (the C hook reads __traceback__)
+            _print_exception(type(e), e, e.with_traceback(e.__traceback__.tb_next).__traceback__)
         except BaseException:
             pass  # stderr closed, or no memory left to format the traceback
     try:
-        threading._shutdown()  # as at interpreter exit: wait for non-daemon threads, then atexit
+        if "threading" in sys.modules:  # as at interpreter exit: wait for non-daemon threads, then atexit
+            sys.modules["threading"]._shutdown()
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -173,13 +181,17 @@ def _child(code: str, scratch: str, uid: int, limits: dict, timeout_s: float, fd
     status = 120  # confinement failed: reported as an error, with the traceback on stderr
     try:
         _confine(scratch, uid, limits, timeout_s, fds)
-        with open("main.py", "w", encoding="utf-8", errors="surrogateescape") as f:
-            f.write(code)  # for tracebacks and programs that read their own source
+        # for tracebacks and programs that read their own source; os-level: open() costs ~30 pages
+        fd = os.open("main.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        view = memoryview(code.encode("utf-8", "surrogateescape"))
+        while view:
+            view = view[os.write(fd, view):]
+        os.close(fd)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"],) * 2)  # after main.py: any size
         status = _run_main(code)
     except BaseException:
         try:
-            traceback.print_exc()
+            _print_exception(*sys.exc_info())
         except BaseException:
             pass  # stderr unusable
     finally:
@@ -188,8 +200,15 @@ def _child(code: str, scratch: str, uid: int, limits: dict, timeout_s: float, fd
 
 def _children() -> list[int]:
     """Live and zombie children of this (subreaper) worker: every leftover process of an execution."""
-    with open("/proc/thread-self/children") as f:
-        return [int(p) for p in f.read().split()]
+    fd = os.open("/proc/thread-self/children", os.O_RDONLY)  # not open(): far fewer pages touched
+    try:
+        data, chunk = b"", b"-"
+        while chunk:
+            chunk = os.read(fd, 1 << 16)
+            data += chunk
+    finally:
+        os.close(fd)
+    return [int(p) for p in data.split()]
 
 
 def _sweep(uid: int) -> None:
@@ -240,6 +259,8 @@ def _read_files(scratch: str, uid: int, limits: dict) -> dict[str, str]:
     host file cannot make this (root) worker read it. Only MAX_DEPTH levels are visited: a program can
     nest directories thousands deep, past the recursion limit of os.walk.
     """
+    if os.listdir(scratch) == ["main.py"]:  # the usual case, without os.walk's cost
+        return {}
     found = []
     for root, dirs, names in os.walk(scratch):
         rel_root = os.path.relpath(root, scratch)
@@ -281,9 +302,9 @@ def _remove_scratch(path: str, tmpfs: bool) -> None:
         subprocess.run(["rm", "-rf", "--one-file-system", path], check=True)
 
 
-def run_one(code: str, timeout_s: float, n: int, uid: int, limits: dict) -> dict:
+def run_one(code: str, timeout_s: float, uid: int, limits: dict) -> dict:
     """Run one program in a fresh child with a fresh scratch dir; return the result fields."""
-    scratch = os.path.join(limits["scratch_root"], f"x{n}")
+    scratch = limits["scratch"]
     _make_scratch(scratch, uid, limits["scratch_tmpfs"])
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -297,14 +318,17 @@ def run_one(code: str, timeout_s: float, n: int, uid: int, limits: dict) -> dict
     cap = limits["output_bytes"]
     bufs = {out_r: bytearray(), err_r: bytearray(), tag_r: bytearray()}
     pidfd = os.pidfd_open(pid)
-    sel = selectors.DefaultSelector()
-    for fd in (*bufs, pidfd):
-        sel.register(fd, selectors.EVENT_READ)
+    # select.poll rather than selectors: every page the worker writes after a fork is a copy-on-write
+    # fault, and the selectors machinery alone touches ~80 of them per execution
+    poller, is_open = select.poll(), dict.fromkeys((*bufs, pidfd), True)
+    for fd in is_open:
+        poller.register(fd, select.POLLIN)
 
     def drain(fd: int) -> None:
         data = os.read(fd, 1 << 16)
         if not data:
-            sel.unregister(fd)
+            poller.unregister(fd)
+            is_open[fd] = False
         elif len(bufs[fd]) < cap:  # beyond the cap: keep reading so the writer never blocks, discard
             bufs[fd] += data[: cap - len(bufs[fd])]
 
@@ -314,21 +338,21 @@ def run_one(code: str, timeout_s: float, n: int, uid: int, limits: dict) -> dict
         if left <= 0:
             timed_out = True
             break
-        for key, _ in sel.select(left):
-            if key.fd == pidfd:
+        for fd, _ in poller.poll(math.ceil(left * 1000)):  # ms, rounded up: never wakes early forever
+            if fd == pidfd:
                 wait_status = os.waitpid(pid, 0)[1]
             else:
-                drain(key.fd)
+                drain(fd)
     duration = time.monotonic() - t0
-    sel.unregister(pidfd)
+    poller.unregister(pidfd)
+    is_open[pidfd] = False
     if timed_out or _children():
         _sweep(uid)
         if wait_status is None:
             wait_status = 9  # the sweep reaped it: it was still running at the deadline
-    while sel.get_map():  # every writer is dead now, so this reaches EOF on each pipe
-        for key, _ in sel.select():
-            drain(key.fd)
-    sel.close()
+    while any(is_open.values()):  # every writer is dead now, so this reaches EOF on each pipe
+        for fd, _ in poller.poll():
+            drain(fd)
     for fd in (*bufs, pidfd):
         os.close(fd)
     files = _read_files(scratch, uid, limits)
@@ -367,10 +391,13 @@ def _warm_up() -> None:
         importlib.import_module(name)
     ns: dict = {"__name__": "__warmup__"}
     exec(compile(WARMUP, "<warmup>", "exec"), ns)
+    stderr, sys.stderr = sys.stderr, io.StringIO()
     try:
         ns["g"]()
     except ValueError as e:
-        traceback.print_exception(type(e), e, e.__traceback__, file=io.StringIO())
+        _print_exception(type(e), e, e.__traceback__)
+    finally:
+        sys.stderr = stderr
     gc.freeze()  # the template's objects are never scanned by a child's GC, so never copied-on-write
 
 
@@ -417,6 +444,14 @@ def _enter_pid_namespace(proto_fds: tuple[int, int]) -> bool:
     _exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 
+def _make_root() -> str:
+    """A fresh 0700 dir in the host's /tmp for scratch dirs (no mount namespace); tempfile would import
+    random (see PRELOAD)."""
+    path = f"/tmp/pgrpo-sandbox-{os.getpid()}-{os.urandom(8).hex()}"
+    os.mkdir(path, 0o700)
+    return path
+
+
 def main() -> None:
     limits = json.loads(sys.argv[1])
     proto_in, proto_out = os.dup(0), os.dup(1)
@@ -432,15 +467,19 @@ def main() -> None:
     _warm_up()
     isolation = {**_isolate(hide, keep, limits["isolate"]), "pidns": pidns}
     uid = UID_BASE + outer_pid if isolation["uid_drop"] else 0
-    limits["scratch_root"] = "/tmp" if isolation["mountns"] else tempfile.mkdtemp(prefix="pgrpo-sandbox-")
-    limits["scratch_tmpfs"] = isolation["mountns"]
+    limits["scratch_root"] = "/tmp" if isolation["mountns"] else _make_root()
+    limits["scratch_tmpfs"], limits["pidns"] = isolation["mountns"], pidns
+    # the same path for every execution (each gets a fresh dir there), so no result depends on the order
+    limits["scratch"] = os.path.join(limits["scratch_root"], "x")
     os.chmod(limits["scratch_root"], 0o711)  # the program's uid may enter its own dir, not list others
+    os.environ.clear()  # once here rather than in each child (~130 pages copied per fork)
+    os.environ.update(child_env(limits["scratch"]))
+    # inherited by every child, and irreversible; the worker itself never execs anything setuid
+    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     write_msg(proto_out, {"ready": True, "isolation": isolation, "scratch_root": limits["scratch_root"]})
-    n = 0
     try:
         while (req := _read_msg(proto_in)) is not None:
-            n += 1
-            write_msg(proto_out, run_one(req["code"], req["timeout_s"], n, uid, limits))
+            write_msg(proto_out, run_one(req["code"], req["timeout_s"], uid, limits))
     finally:
         if not isolation["mountns"]:
             _remove_scratch(limits["scratch_root"], False)
