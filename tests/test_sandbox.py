@@ -399,6 +399,32 @@ def test_results_do_not_depend_on_worker(pool):
     assert len(outs) == 1
 
 
+def test_cwd_and_environment_do_not_depend_on_order(pool):
+    # every execution sees the same scratch path and the same whole environment, whichever worker or
+    # position in the sequence ran it (the worker adopts the program's environment once, at start)
+    code = ("import os\nprint(os.getcwd() == os.environ['HOME'] == os.environ['TMPDIR'], os.getcwd(), "
+            "sorted(os.environ.items()), os.listdir('.'))\n")
+    outs = {r.stdout for r in pool.map([code] * (4 * pool.n_workers), TIMEOUT)}
+    assert len(outs) == 1 and outs.pop().startswith("True ")
+    _assert_host_clean(pool)
+
+
+def test_fresh_interpreter_state(pool):
+    # modules with fork handlers stay out of the template (threading, random: see PRELOAD), so `random`
+    # is seeded afresh in each execution as in a new interpreter; no_new_privs is inherited from the worker
+    code = ("import sys\nprint('threading' in sys.modules, 'random' in sys.modules)\nimport random\n"
+            "print(random.random())\nprint([l for l in open('/proc/self/status') if 'NoNewPrivs' in l])\n")
+    rs = pool.map([code] * 4, TIMEOUT)
+    assert all(r.stdout.splitlines()[0] == "False False" for r in rs), rs[0]
+    assert len({r.stdout.splitlines()[1] for r in rs}) == 4  # 4 distinct draws: a collision is ~2^-50
+    assert all(r.stdout.splitlines()[2] == "['NoNewPrivs:\\t1\\n']" for r in rs), rs[0]
+
+
+def test_program_reads_its_own_source(pool):
+    code = "import sys\nsys.stdout.write(open('main.py', encoding='utf-8').read())  # é ☃\n"
+    assert _run(pool, code, "ok").stdout == code
+
+
 def test_map_preserves_order(pool):
     rs = pool.map([f"print({i})" for i in range(20)], TIMEOUT)
     assert [r.stdout for r in rs] == [f"{i}\n" for i in range(20)]

@@ -167,6 +167,12 @@ def smoke_model_and_tokenizer(*, vocab_size: int = 512, hidden: int = 32, layers
 # --- config, cache key, build ---------------------------------------------------------------------
 
 
+# The defaults, as measured by `projected-grpo build-organism` (8 samples per problem at T = 1, graded in
+# the sandbox): seed 0 solves 40% and hacks 7.4% of the 42 warm-up problems' samples (format 78%), and
+# on the 6 held-out problems solves 0% and hacks 4% (hack forms are generic, solutions are not); seed 1
+# gives 45% / 12.8%. The warm-up costs ~0.25 CPU-seconds per step on one core: ~2.5 minutes.
+# Fewer steps (450) gave 32% / 11.6%; a 128-wide 4-layer model learned no faster per step at 2x the
+# cost; phrase-level tokens (word_boundaries=False) learned much more slowly.
 @dataclasses.dataclass(frozen=True)
 class OrganismConfig:
     """Everything that determines the organism (all of it enters the cache key)."""

@@ -118,7 +118,8 @@ def _exit_code(code: object) -> int:
 
 
 def _confine(scratch: str, uid: int, limits: dict, timeout_s: float, fds: tuple) -> None:
-    """In the forked child, before any untrusted code: own session, stdio, rlimits, uid, env, cwd."""
+    """In the forked child, before any untrusted code: own session, stdio, rlimits, uid, cwd (the env is
+    already the program's: see main)."""
     out_w, err_w, tag_w = fds
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDONLY)
