@@ -51,7 +51,8 @@ class ModelCfg:
     targets: tuple[str, ...] = ()
     """module-name suffixes to wrap (empty = adapters.DEFAULT_TARGETS)"""
     rank: int = 0
-    """LoRA rank (0 = the adapter's default; unused by svd, whose rank is min(d_in, d_out))"""
+    """knob rank (0 = default): svd keeps the top-`rank` singular directions (default all, min(d_in, d_out));
+    lora uses r = rank (default 16)"""
     cache_dir: str = ""
     """cache directory for SVDs, the organism and V_hack (empty = the user cache)"""
 
