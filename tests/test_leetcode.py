@@ -85,7 +85,7 @@ def test_malformed_rows_fail_with_file_line_and_field(tmp_path, change, message)
 
 def test_bad_json_duplicates_and_modes(tmp_path):
     path = _write(tmp_path, [GOOD_ROW, "{not json"])
-    with pytest.raises(DatasetError, match=r"rows.jsonl:2: not valid JSON"):
+    with pytest.raises(DatasetError, match=r"rows.jsonl:2: invalid JSON"):
         load_leetcode(path)
     with pytest.raises(DatasetError, match="duplicate ids"):
         load_leetcode(_write(tmp_path, [GOOD_ROW, GOOD_ROW]))

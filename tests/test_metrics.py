@@ -129,9 +129,9 @@ def test_truncate_to_drops_later_rows_and_a_cut_off_line(tmp_path):
 
 def test_malformed_line_names_file_and_line(tmp_path):
     (tmp_path / METRICS_FILE).write_text('{"step": 0}\nnot json\n{"step": 1}\n')
-    with pytest.raises(ValueError, match=rf"{METRICS_FILE}:2: not a JSON metrics row"):
+    with pytest.raises(ValueError, match=rf"{METRICS_FILE}:2: invalid JSON"):
         read_rows(tmp_path / METRICS_FILE)
-    with pytest.raises(ValueError, match=rf"{METRICS_FILE}:2: not a JSON metrics row"):
+    with pytest.raises(ValueError, match=rf"{METRICS_FILE}:2: invalid JSON"):
         truncate_to(tmp_path, 5)
 
 

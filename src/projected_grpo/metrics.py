@@ -16,6 +16,8 @@ import pathlib
 import tempfile
 from collections.abc import Iterable, Mapping
 
+from projected_grpo.jsonl import read_jsonl
+
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
@@ -118,17 +120,7 @@ class MetricsLogger:
 
 def read_rows(path: str | os.PathLike) -> list[dict]:
     """All rows of a metrics.jsonl file; a malformed line raises naming the file and line number."""
-    path = pathlib.Path(path)
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not a JSON metrics row ({e.msg}): {line[:80]!r}") from e
-    return rows
+    return [row for _, row in read_jsonl(path)]
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
@@ -171,7 +163,7 @@ def truncate_to(run_dir: str | os.PathLike, step: int) -> int:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{n}: not a JSON metrics row ({e.msg}): {line[:80]!r}") from e
+            raise ValueError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno}): {line[:80]!r}") from e
         if row["step"] <= step:
             kept.append(line)
     write_text_atomic(path, "".join(line + "\n" for line in kept))

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from projected_grpo.jsonl import read_jsonl
+
 Messages = tuple[dict[str, str], ...]
 
 
@@ -165,14 +167,7 @@ def load_pairs_file(path: str | pathlib.Path) -> list[Pair]:
     text = path.read_text(encoding="utf-8")
     pairs: list[Pair] = []
     if path.suffix == ".jsonl":
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
-            pairs.append(_pair_from_obj(obj, f"{path}:{lineno}"))
+        pairs += [_pair_from_obj(obj, where) for where, obj in read_jsonl(path)]
     elif path.suffix == ".json":
         try:
             items = json.loads(text)

@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from projected_grpo.jsonl import read_jsonl
 from projected_grpo.metrics import write_text_atomic
 from projected_grpo.rollout import encode_completion, encode_prompt, generate, step_seed
 
@@ -187,14 +188,7 @@ def load_pool(path: str | pathlib.Path, tokenizer, problems: Sequence) -> Teache
     fp = tokenizer_fingerprint(tokenizer)
     live: dict[str, list[int]] = {}
     rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from e
+    for where, row in read_jsonl(path):
         _validate(row, where)
         pid = row["problem_id"]
         if pid not in known:

@@ -13,11 +13,11 @@ line and field.
 from __future__ import annotations
 
 import ast
-import json
 import math
 import pathlib
 
 from projected_grpo.envs.problems import MODES, Problem, TestCase, check_plain
+from projected_grpo.jsonl import read_jsonl
 
 _NAMED_FLOATS = {"inf": math.inf, "nan": math.nan}
 
@@ -130,17 +130,7 @@ def load_leetcode_rows(path: str | pathlib.Path, mode: str = "run_tests"
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     path = pathlib.Path(path)
-    out = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
-            out.append(parse_row(row, where, mode))
+    out = [parse_row(row, where, mode) for where, row in read_jsonl(path, DatasetError)]
     if not out:
         raise DatasetError(f"{path}: no rows")
     ids = [p.id for p, _ in out]
