@@ -250,7 +250,8 @@ class ExperimentOpts:
     preset: str = "smoke"
     """base preset (config.PRESETS)"""
     arms: str = "none,erase,route"
-    """comma-separated arms (experiment.ARMS): none, erase, route, random_V, shuffled_V, nonhack_V, gt_penalty"""
+    """comma-separated arms (experiment.ARMS): none, erase, route, random_V, shuffled_V, nonhack_V,
+    gt_penalty"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
     out: str = ""
