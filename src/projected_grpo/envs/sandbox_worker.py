@@ -160,20 +160,20 @@ def _run_main(code: str) -> int:
         if isinstance(e, MemoryError):
             try:
                 os.write(3, MEMORY_TAG)
-            except OSError:
-                pass  # the program closed fd 3: reported as a plain error
+            except OSError:  # the program closed fd 3: reported as a plain error
+                pass
         try:  # as CPython prints it: without this wrapper's own frame (the C hook reads __traceback__)
             _print_exception(type(e), e, e.with_traceback(e.__traceback__.tb_next).__traceback__)
-        except BaseException:
-            pass  # stderr closed, or no memory left to format the traceback
+        except BaseException:  # stderr closed, or no memory left to format the traceback
+            pass
     try:
         if "threading" in sys.modules:  # as at interpreter exit: wait for non-daemon threads, then atexit
             sys.modules["threading"]._shutdown()
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
-    except BaseException:
-        pass  # stdio closed or broken by the program: the exit status already says what happened
+    except BaseException:  # stdio closed or broken by the program: the exit status already says what happened
+        pass
     return status
 
 
@@ -193,8 +193,8 @@ def _child(code: str, scratch: str, uid: int, limits: dict, timeout_s: float, fd
     except BaseException:
         try:
             _print_exception(*sys.exc_info())
-        except BaseException:
-            pass  # stderr unusable
+        except BaseException:  # stderr unusable
+            pass
     finally:
         _exit(status)  # bound at import: a program that replaces os._exit cannot make this return
 
