@@ -7,7 +7,7 @@ EXTRAS ?= dev
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-all demo lint clean
+.PHONY: install test test-slow test-all demo lint clean
 
 install: $(VENV)/.installed-$(EXTRAS)
 
@@ -22,6 +22,9 @@ lint: install
 
 test: lint
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+
+test-slow: install
+	$(BIN)/python -m pytest -q -m "slow and not gpu"
 
 test-all: lint
 	$(BIN)/python -m pytest -q
