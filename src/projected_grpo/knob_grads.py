@@ -72,6 +72,15 @@ def _split_labels(rows: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str,
             {n: g[1::2].contiguous() for n, g in rows.items()})
 
 
+def _setup(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str):
+    """What both gradient methods start from: the NLL norm, the encoded sequences (hack, clean
+    interleaved), module names with their main-knob parameters, the pad id and the model's device."""
+    names = list(knobs.modules)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return (NLL_NORMS[norm], _sequences(tokenizer, pairs), names, [knobs.modules[n].delta for n in names],
+            pad_id, next(model.parameters()).device)
+
+
 def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean", nll_const: float = 1.0,
                chunk_size: int = 32) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Per module knob gradients of the completion NLL: g_hack[name], g_clean[name] (P, R) fp32 CPU.
@@ -85,12 +94,7 @@ def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean
     """
     if chunk_size < 1:
         raise ValueError(f"pair_grads: chunk_size must be >= 1, got {chunk_size}")
-    nll_fn = NLL_NORMS[norm]
-    seqs = _sequences(tokenizer, pairs)
-    names = list(knobs.modules)
-    params = [knobs.modules[n].delta for n in names]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    device = next(model.parameters()).device
+    nll_fn, seqs, names, params, pad_id, device = _setup(model, knobs, tokenizer, pairs, norm)
     rows = {n: torch.empty(len(seqs), knobs.modules[n].knob_dim) for n in names}  # (2P, R)
     order = sorted(range(len(seqs)), key=lambda j: (len(seqs[j][2]) + len(seqs[j][3]), j))
     chunks = [order[a:a + chunk_size] for a in range(0, len(order), chunk_size)]
@@ -124,12 +128,7 @@ def pair_grads_isolated(model, knobs, tokenizer, pairs: Sequence[Pair], norm: st
                         nll_const: float = 1.0) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """The test oracle for `pair_grads`: the same (P, R) outputs from one isolated forward +
     `torch.autograd.grad` per pair and label (2P backwards; slow). Needs only knobs.modules[n].delta."""
-    nll_fn = NLL_NORMS[norm]
-    seqs = _sequences(tokenizer, pairs)
-    names = list(knobs.modules)
-    params = [knobs.modules[n].delta for n in names]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    device = next(model.parameters()).device
+    nll_fn, seqs, names, params, pad_id, device = _setup(model, knobs, tokenizer, pairs, norm)
     rows: dict[str, list[Tensor]] = {n: [] for n in names}
     was_training = model.training
     model.eval()
