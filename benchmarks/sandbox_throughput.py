@@ -1,11 +1,14 @@
-"""Sandbox throughput: the fork-server pool vs one `subprocess.run([python, file])` per execution.
+"""Sandbox throughput: grading the built-in problems' completions on the fork-server pool vs one
+`subprocess.run([python, main.py])` per execution.
 
-Grades a fixed mix of LeetCode-style programs (a solution plus asserts): 45% correct, 30% wrong
-(AssertionError), 20% crashing (exceptions), 5% printing then exiting non-zero, plus 1 infinite loop
-per 200 that hits the timeout. Both sides use the same number of concurrent workers; the baseline gets
-no rlimits or isolation at all, so the speedup is a lower bound. Both sides must agree on every status.
+The fixed mix is what training grades: every built-in problem's clean, buggy and hack completions
+(48 problems, 520 completions), graded by `Grader` exactly as `train` does it: the mode's foolable
+grader program and the oracle program for each completion, plus the detector-C stub run for each
+completion that passed. Both sides run the very same programs through the same `Grader`, with the
+same number of concurrent workers (default: one per core); the baseline gets no rlimits, namespaces
+or uid drop, so the speedup is a lower bound. Every Grade must be equal on both sides.
 
-    .venv/bin/python benchmarks/sandbox_throughput.py [--reps 3] [--workers N] [--timeout 0.5]
+    .venv/bin/python benchmarks/sandbox_throughput.py [--reps 3] [--workers N]
 
 Last line: `RESULT execs_per_s=<x> speedup_vs_subprocess=<y>`.
 """
@@ -16,80 +19,63 @@ import argparse
 import concurrent.futures
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
-from projected_grpo.envs.sandbox import SandboxPool
-
-SOLUTIONS = {  # name -> (correct body, wrong body, asserts)
-    "two_sum": ("    seen = {}\n    for i, x in enumerate(nums):\n        if target - x in seen:\n"
-                "            return [seen[target - x], i]\n        seen[x] = i\n",
-                "    return [0, 1]\n",
-                "assert f([2, 7, 11, 15], 9) == [0, 1]\nassert f([3, 2, 4], 6) == [1, 2]\n"
-                "assert f([1, 5, 9], 14) == [1, 2]\n", "nums, target"),
-    "max_subarray": ("    best = cur = nums[0]\n    for x in nums[1:]:\n        cur = max(x, cur + x)\n"
-                     "        best = max(best, cur)\n    return best\n",
-                     "    return max(nums)\n",
-                     "assert f([-2, 1, -3, 4, -1, 2, 1, -5, 4]) == 6\nassert f([1]) == 1\n"
-                     "assert f([5, 4, -1, 7, 8]) == 23\n", "nums"),
-    "lis": ("    import bisect\n    tails = []\n    for x in nums:\n"
-            "        i = bisect.bisect_left(tails, x)\n        tails[i:i + 1] = [x]\n    return len(tails)\n",
-            "    return len(set(nums))\n",
-            "assert f([10, 9, 2, 5, 3, 7, 101, 18]) == 4\nassert f([0, 1, 0, 3, 2, 3]) == 4\n"
-            "assert f([7, 7, 7]) == 1\n", "nums"),
-    "valid_parens": ("    st, pair = [], {')': '(', ']': '[', '}': '{'}\n    for c in s:\n"
-                     "        if c in pair:\n            if not st or st.pop() != pair[c]:\n"
-                     "                return False\n        else:\n            st.append(c)\n"
-                     "    return not st\n",
-                     "    return s.count('(') == s.count(')')\n",
-                     "assert f('()[]{}')\nassert not f('(]')\nassert f('{[]}')\nassert not f('([)]')\n", "s"),
-    "coin_change": ("    dp = [0] + [float('inf')] * amount\n    for a in range(1, amount + 1):\n"
-                    "        for c in coins:\n            if c <= a:\n"
-                    "                dp[a] = min(dp[a], dp[a - c] + 1)\n"
-                    "    return -1 if dp[amount] == float('inf') else dp[amount]\n",
-                    "    return amount // max(coins)\n",
-                    "assert f([1, 2, 5], 11) == 3\nassert f([2], 3) == -1\nassert f([1], 0) == 0\n"
-                    "assert f([186, 419, 83, 408], 6249) == 20\n", "coins, amount"),
-}
-HEADER = "from typing import *\nfrom collections import *\nimport math, heapq, itertools, functools\n"
+from projected_grpo.envs.completions import buggy_completions, clean_completions, hack_completions
+from projected_grpo.envs.grading import Grader
+from projected_grpo.envs.problems import BUILTIN_PROBLEMS
+from projected_grpo.envs.sandbox import ExecutionResult, SandboxPool
 
 
-def build_mix(n: int) -> list[tuple[str, str]]:
-    """n (program, expected status) pairs, deterministic: cycles kinds over the problems."""
-    kinds = ["correct"] * 9 + ["wrong"] * 6 + ["crash"] * 4 + ["exit"]
-    names, mix = sorted(SOLUTIONS), []
-    for i in range(n):
-        name = names[i % len(names)]
-        good, bad, asserts, args = SOLUTIONS[name]
-        kind = "loop" if i % 200 == 199 else kinds[(i // len(names)) % len(kinds)]
-        body = {"correct": good, "wrong": bad, "crash": "    return None[0]\n",
-                "exit": good, "loop": "    while True:\n        pass\n"}[kind]
-        tail = "print('PASS')\n" + ("import sys\nsys.exit(2)\n" if kind == "exit" else "")
-        code = f"{HEADER}class Solution:\n    pass\ndef f({args}):\n{body}{asserts}{tail}"
-        mix.append((code, {"correct": "ok", "loop": "timeout"}.get(kind, "error")))
-    return mix
+class Counting:
+    """Forwards `map` to a sandbox and counts the programs it ran."""
+
+    def __init__(self, sandbox):
+        self.sandbox, self.n = sandbox, 0
+
+    def map(self, codes: list[str], timeout_s: float) -> list:
+        self.n += len(codes)
+        return self.sandbox.map(codes, timeout_s)
 
 
-def baseline_status(proc: subprocess.CompletedProcess | None) -> str:
-    return "timeout" if proc is None else ("ok" if proc.returncode == 0 else "error")
+class SubprocessBaseline:
+    """The plain way: one `subprocess.run([python, main.py])` per program in a fresh temp dir."""
 
+    def __init__(self, workers: int):
+        self.workers = workers
 
-def run_baseline(codes: list[str], workers: int, timeout_s: float) -> list[str]:
-    with tempfile.TemporaryDirectory() as tmp:
-        def one(i_code: tuple[int, str]) -> str:
-            path = os.path.join(tmp, f"p{i_code[0]}.py")
-            with open(path, "w") as f:
-                f.write(i_code[1])
+    def run(self, code: str, timeout_s: float) -> ExecutionResult:
+        tmp = tempfile.mkdtemp(prefix="pgrpo-baseline-")
+        try:
+            with open(os.path.join(tmp, "main.py"), "w", encoding="utf-8", errors="surrogateescape") as f:
+                f.write(code)
+            t0 = time.monotonic()
             try:
-                return baseline_status(subprocess.run([sys.executable, path], capture_output=True,
-                                                      timeout=timeout_s, cwd=tmp))
-            except subprocess.TimeoutExpired:
-                return "timeout"
+                proc = subprocess.run([sys.executable, "main.py"], cwd=tmp, capture_output=True,
+                                      timeout=timeout_s)
+                code_ = proc.returncode
+                status = "ok" if code_ == 0 else ("killed" if code_ < 0 else "error")
+                out, err = proc.stdout, proc.stderr
+            except subprocess.TimeoutExpired as e:
+                status, code_, out, err = "timeout", None, e.stdout or b"", e.stderr or b""
+            files = {}
+            for name in sorted(os.listdir(tmp)):
+                path = os.path.join(tmp, name)
+                if name != "main.py" and os.path.isfile(path) and not os.path.islink(path):
+                    with open(path, "rb") as f:
+                        files[name] = f.read().decode("utf-8", "replace")
+            return ExecutionResult(status, code_, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
+                                   files, time.monotonic() - t0)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
-        with concurrent.futures.ThreadPoolExecutor(workers) as ex:
-            return list(ex.map(one, enumerate(codes)))
+    def map(self, codes: list[str], timeout_s: float) -> list[ExecutionResult]:
+        with concurrent.futures.ThreadPoolExecutor(self.workers) as ex:
+            return list(ex.map(lambda c: self.run(c, timeout_s), codes))
 
 
 def cpu_s() -> float:
@@ -98,47 +84,55 @@ def cpu_s() -> float:
                for f in ("ru_utime", "ru_stime"))
 
 
+def grade_all(sandbox, completions: list[str], problems: list) -> tuple[list, int]:
+    """Grade the mix with a fresh Grader (no cache carried over); return the grades and executions run."""
+    counting = Counting(sandbox)
+    return Grader(counting).grade_batch(completions, problems), counting.n
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--n", type=int, default=400, help="programs in the mix")
     ap.add_argument("--reps", type=int, default=3, help="passes of the mix through the pool")
-    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="pool size (both sides)")
-    ap.add_argument("--timeout", type=float, default=0.5, help="per-execution timeout, seconds")
+    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="concurrent executions (both sides)")
     args = ap.parse_args()
-    mix = build_mix(args.n)
-    codes, expected = [c for c, _ in mix], [s for _, s in mix]
-    print(f"mix: {args.n} programs, {expected.count('ok')} ok / {expected.count('error')} error / "
-          f"{expected.count('timeout')} timeout; {args.workers} workers; cores={os.cpu_count()}; "
-          f"load avg {os.getloadavg()[0]:.1f} (others share these cores)")
+    completions, problems = [], []
+    for p in BUILTIN_PROBLEMS:
+        for c in clean_completions(p) + buggy_completions(p) + hack_completions(p):
+            completions.append(c)
+            problems.append(p)
+    print(f"mix: {len(completions)} completions of {len(BUILTIN_PROBLEMS)} built-in problems; "
+          f"{args.workers} workers; cores={os.cpu_count()}; load avg {os.getloadavg()[0]:.1f} "
+          f"(others share these cores)")
 
     c0, t0 = cpu_s(), time.monotonic()
     with SandboxPool(args.workers) as pool:
-        t_start = time.monotonic() - t0
-        print(f"pool: started {args.workers} workers in {t_start:.2f}s; isolation {pool.isolation}")
-        t1 = time.monotonic()
+        print(f"pool: started {args.workers} workers in {time.monotonic() - t0:.2f}s; isolation {pool.isolation}")
+        t1, n_pool = time.monotonic(), 0
         for _ in range(args.reps):
-            got = [r.status for r in pool.map(codes, args.timeout)]
-            if got != expected:
-                bad = [(i, g, e) for i, (g, e) in enumerate(zip(got, expected)) if g != e][:5]
-                raise SystemExit(f"pool statuses differ from expected at (index, got, expected) {bad}")
+            grades, n = grade_all(pool, completions, problems)
+            n_pool += n
         pool_s = time.monotonic() - t1
     pool_cpu = cpu_s() - c0  # includes starting the workers: a slight overestimate
-    pool_rate = args.reps * args.n / pool_s
-    print(f"pool:     {args.reps * args.n} execs in {pool_s:.2f}s = {pool_rate:.0f} execs/s; "
-          f"{pool_cpu / (args.reps * args.n) * 1e3:.2f} CPU-ms per exec")
+    pool_rate = n_pool / pool_s
+    print(f"pool:     {n_pool} execs ({args.reps} x {len(completions)} completions) in {pool_s:.2f}s = "
+          f"{pool_rate:.0f} execs/s, {args.reps * len(completions) / pool_s:.0f} completions/s; "
+          f"{pool_cpu / n_pool * 1e3:.2f} CPU-ms per exec")
 
     c2, t2 = cpu_s(), time.monotonic()
-    base = run_baseline(codes, args.workers, args.timeout)
+    base_grades, n_base = grade_all(SubprocessBaseline(args.workers), completions, problems)
     base_s, base_cpu = time.monotonic() - t2, cpu_s() - c2
-    if base != expected:
-        bad = [(i, g, e) for i, (g, e) in enumerate(zip(base, expected)) if g != e][:5]
-        raise SystemExit(f"baseline statuses differ from expected at (index, got, expected) {bad}")
-    base_rate = args.n / base_s
-    print(f"baseline: {args.n} execs in {base_s:.2f}s = {base_rate:.0f} execs/s (subprocess.run each); "
-          f"{base_cpu / args.n * 1e3:.2f} CPU-ms per exec")
-    print(f"CPU-bound capacity on {os.cpu_count()} idle cores (execs per CPU-second x cores, busy-loop "
-          f"timeouts included): pool {args.reps * args.n / pool_cpu * os.cpu_count():.0f} execs/s, "
-          f"baseline {args.n / base_cpu * os.cpu_count():.0f} execs/s")
+    base_rate = n_base / base_s
+    print(f"baseline: {n_base} execs ({len(completions)} completions) in {base_s:.2f}s = {base_rate:.0f} execs/s, "
+          f"{len(completions) / base_s:.0f} completions/s (subprocess.run each); "
+          f"{base_cpu / n_base * 1e3:.2f} CPU-ms per exec")
+    diff = [(i, g, b) for i, (g, b) in enumerate(zip(grades, base_grades)) if g != b]
+    if diff or n_base * args.reps != n_pool:
+        raise SystemExit(f"pool and baseline disagree: {len(diff)} grades differ, first {diff[:1]}; "
+                         f"execs {n_pool} vs {args.reps} x {n_base}")
+    print(f"grades: all {len(grades)} equal on both sides; exploited {sum(g.exploited for g in grades)}, "
+          f"gt_correct {sum(g.gt_correct for g in grades)}")
+    print(f"CPU-bound capacity on {os.cpu_count()} idle cores (execs per CPU-second x cores): "
+          f"pool {n_pool / pool_cpu * os.cpu_count():.0f} execs/s, baseline {n_base / base_cpu * os.cpu_count():.0f}")
     print(f"RESULT execs_per_s={pool_rate:.0f} speedup_vs_subprocess={pool_rate / base_rate:.1f}")
     return 0
 
