@@ -68,8 +68,8 @@ class SubprocessBaseline:
                 if name != "main.py" and os.path.isfile(path) and not os.path.islink(path):
                     with open(path, "rb") as f:
                         files[name] = f.read().decode("utf-8", "replace")
-            return ExecutionResult(status, code_, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"),
-                                   files, time.monotonic() - t0)
+            return ExecutionResult(status, code_, out.decode("utf-8", "replace"),
+                                   err.decode("utf-8", "replace"), files, time.monotonic() - t0)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -106,7 +106,8 @@ def main() -> int:
 
     c0, t0 = cpu_s(), time.monotonic()
     with SandboxPool(args.workers) as pool:
-        print(f"pool: started {args.workers} workers in {time.monotonic() - t0:.2f}s; isolation {pool.isolation}")
+        print(f"pool: started {args.workers} workers in {time.monotonic() - t0:.2f}s; "
+              f"isolation {pool.isolation}")
         t1, n_pool = time.monotonic(), 0
         for _ in range(args.reps):
             grades, n = grade_all(pool, completions, problems)
@@ -122,7 +123,8 @@ def main() -> int:
     base_grades, n_base = grade_all(SubprocessBaseline(args.workers), completions, problems)
     base_s, base_cpu = time.monotonic() - t2, cpu_s() - c2
     base_rate = n_base / base_s
-    print(f"baseline: {n_base} execs ({len(completions)} completions) in {base_s:.2f}s = {base_rate:.0f} execs/s, "
+    print(f"baseline: {n_base} execs ({len(completions)} completions) in {base_s:.2f}s = "
+          f"{base_rate:.0f} execs/s, "
           f"{len(completions) / base_s:.0f} completions/s (subprocess.run each); "
           f"{base_cpu / n_base * 1e3:.2f} CPU-ms per exec")
     diff = [(i, g, b) for i, (g, b) in enumerate(zip(grades, base_grades)) if g != b]
@@ -132,7 +134,8 @@ def main() -> int:
     print(f"grades: all {len(grades)} equal on both sides; exploited {sum(g.exploited for g in grades)}, "
           f"gt_correct {sum(g.gt_correct for g in grades)}")
     print(f"CPU-bound capacity on {os.cpu_count()} idle cores (execs per CPU-second x cores): "
-          f"pool {n_pool / pool_cpu * os.cpu_count():.0f} execs/s, baseline {n_base / base_cpu * os.cpu_count():.0f}")
+          f"pool {n_pool / pool_cpu * os.cpu_count():.0f} execs/s, "
+          f"baseline {n_base / base_cpu * os.cpu_count():.0f}")
     print(f"RESULT execs_per_s={pool_rate:.0f} speedup_vs_subprocess={pool_rate / base_rate:.1f}")
     return 0
 

@@ -40,7 +40,9 @@ exec(compile({setup!r}, "setup.py", "exec"))
 exec(compile({source!r}, "solution.py", "exec"))
 {tail}'''
 
-_WRITE_REPORT = "with open(_pg_report, 'w') as _pg_f:\n    _pg_json.dump({payload}, _pg_f)\n"
+# os-level rather than open(): in a forked sandbox child, building the io stack costs ~0.3 ms of page faults
+_WRITE_REPORT = ("_pg_fd = _pg_os.open(_pg_report, _pg_os.O_WRONLY | _pg_os.O_CREAT | _pg_os.O_TRUNC)\n"
+                 "_pg_os.write(_pg_fd, _pg_json.dumps({payload}).encode())\n_pg_os.close(_pg_fd)\n")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,26 +1,22 @@
-"""Fork-server worker of the sandbox: one long-lived process forks one fresh child per execution.
+"""Fork-server worker of the sandbox: one long-lived process per pool slot, one fresh child per execution.
 
 Started by `sandbox.SandboxPool` as `python -s -P path/to/sandbox_worker.py CONFIG_JSON` (stdlib only, so
-no package `__init__` can bloat the template). It
-imports the modules programs commonly use once, isolates itself (network/mount namespaces, see the
-threat model in sandbox.py), then loops: read a request (length-prefixed JSON on fd `proto_in`), fork
-a child from this clean template, drop the child's privileges and run the program in it, kill every
-process the execution left, reply with the result (length-prefixed JSON on fd `proto_out`). The
-worker itself never runs untrusted code, so nothing a program does persists into the next execution.
+no package `__init__` can bloat the template). It isolates itself (pid, network and mount namespaces: see
+the threat model in sandbox.py), then forks the fork template (`sandbox_template.py`: the imports
+programs commonly use, done once; it does nothing but fork) and loops: read a request (length-prefixed
+JSON on fd `proto_in`), make a fresh scratch dir holding the program as main.py, have the template fork
+a child that drops its privileges and runs it, collect its output, kill every process the execution
+left, reply with the result (length-prefixed JSON on fd `proto_out`). Neither process ever runs
+untrusted code, so nothing a program does persists into the next execution.
 """
 
 from __future__ import annotations
 
-import atexit
-import builtins
 import ctypes
-import gc
-import importlib
-import io
+import importlib.util
 import json
 import math
 import os
-import resource
 import select
 import shutil
 import signal
@@ -28,16 +24,6 @@ import stat
 import struct
 import sys
 import time
-
-# Imported once in the worker (see main) so that forked children import nothing: what LeetCode-style
-# setup code and solutions use, and what the graders' own harnesses import (ast, hashlib, json, types:
-# hashlib alone costs a child ~5 ms to import, it loads OpenSSL). Never `threading` or `random` (nor `statistics`, which imports random):
-# their os.register_at_fork handlers would run in every child, each copying ~50-130 pages that the
-# program never needs; programs that use them import them (~1 ms), seeded afresh as in a new interpreter
-# (tests/test_sandbox.py checks that a child starts without them).
-PRELOAD = ("abc", "array", "ast", "bisect", "collections", "copy", "dataclasses", "datetime", "decimal", "enum",
-           "fractions", "functools", "hashlib", "heapq", "itertools", "operator", "re", "string", "textwrap",
-           "types", "typing")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
@@ -50,11 +36,6 @@ MEMORY_TAG = b"M"
 MAX_DEPTH = 8  # directory levels searched for returned files
 SCRATCH_BYTES = 64 << 20  # size of each execution's scratch tmpfs (where mount namespaces work)
 MNT_DETACH = 2
-# bound at import: a program that replaces them cannot change what the child does after it. The C
-# excepthook is what CPython itself prints an uncaught exception with (the traceback module copies ~100
-# pages more in a fresh fork).
-_exit = os._exit
-_print_exception = sys.__excepthook__
 
 
 def child_env(scratch: str) -> dict[str, str]:
@@ -109,100 +90,9 @@ def _isolate(hide: list[str], keep: list[str], enabled: bool) -> dict[str, bool]
     return got
 
 
-def _exit_code(code: object) -> int:
-    """Exit status of `sys.exit(code)` as CPython computes it (None -> 0, int -> low byte, else 1)."""
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF if -(1 << 63) <= code < (1 << 63) else 255
-    print(code, file=sys.stderr)
-    return 1
-
-
-def _confine(scratch: str, uid: int, limits: dict, timeout_s: float, fds: tuple) -> None:
-    """In the forked child, before any untrusted code: own session, stdio, rlimits, uid, cwd (the env is
-    already the program's: see main)."""
-    out_w, err_w, tag_w = fds
-    os.setsid()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    os.dup2(out_w, 1)
-    os.dup2(err_w, 2)
-    os.dup2(tag_w, 3)
-    os.closerange(4, 1 << 16)  # the worker's protocol pipes among them
-    cpu = math.ceil(timeout_s) + 1
-    for res, val in ((resource.RLIMIT_CPU, (cpu, cpu + 1)), (resource.RLIMIT_CORE, (0, 0)),
-                     (resource.RLIMIT_AS, (limits["memory_bytes"],) * 2),
-                     (resource.RLIMIT_NOFILE, (limits["open_files"],) * 2)):
-        resource.setrlimit(res, val)
-    if uid:
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits["processes"],) * 2)
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)
-    # no_new_privs is inherited from the worker (set in main). The parent-death signal is not inherited
-    # and setuid clears it; in a pid namespace the worker's death kills every process in it anyway, and
-    # the first ctypes call in a child copies ~70 pages, so it is set only where there is none.
-    if not limits["pidns"]:
-        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    os.chdir(scratch)  # os.environ is the worker's, already set to child_env(scratch) (see main)
-    sys.argv = ["main.py"]
-
-
-def _run_main(code: str) -> int:
-    """Run `code` as `python main.py` would and return its exit status (CPython's rules)."""
-    status = 0
-    try:
-        exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py",
-                                                "__builtins__": builtins})
-    except SystemExit as e:
-        status = _exit_code(e.code)
-    except BaseException as e:
-        status = 1
-        if isinstance(e, MemoryError):
-            try:
-                os.write(3, MEMORY_TAG)
-            except OSError:  # the program closed fd 3: reported as a plain error
-                pass
-        try:  # as CPython prints it: without this wrapper's own frame (the C hook reads __traceback__)
-            _print_exception(type(e), e, e.with_traceback(e.__traceback__.tb_next).__traceback__)
-        except BaseException:  # stderr closed, or no memory left to format the traceback
-            pass
-    try:
-        if "threading" in sys.modules:  # as at interpreter exit: wait for non-daemon threads, then atexit
-            sys.modules["threading"]._shutdown()
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:  # stdio closed or broken by the program: the exit status already says what happened
-        pass
-    return status
-
-
-def _child(code: str, scratch: str, uid: int, limits: dict, timeout_s: float, fds: tuple) -> None:
-    """The forked child: confine, run, exit. Never returns into the worker's loop, whatever happens."""
-    status = 120  # confinement failed: reported as an error, with the traceback on stderr
-    try:
-        _confine(scratch, uid, limits, timeout_s, fds)
-        # for tracebacks and programs that read their own source; os-level: open() costs ~30 pages
-        fd = os.open("main.py", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        view = memoryview(code.encode("utf-8", "surrogateescape"))
-        while view:
-            view = view[os.write(fd, view):]
-        os.close(fd)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file_bytes"],) * 2)  # after main.py: any size
-        status = _run_main(code)
-    except BaseException:
-        try:
-            _print_exception(*sys.exc_info())
-        except BaseException:  # stderr unusable
-            pass
-    finally:
-        _exit(status)  # bound at import: a program that replaces os._exit cannot make this return
-
-
-def _children() -> list[int]:
-    """Live and zombie children of this (subreaper) worker: every leftover process of an execution."""
+def _leftovers(template: int) -> list[int]:
+    """Live and zombie children of this (subreaper) worker other than the template: every process an
+    execution left behind (orphans reparent here when their parents die)."""
     fd = os.open("/proc/thread-self/children", os.O_RDONLY)  # not open(): far fewer pages touched
     try:
         data, chunk = b"", b"-"
@@ -211,18 +101,25 @@ def _children() -> list[int]:
             data += chunk
     finally:
         os.close(fd)
-    return [int(p) for p in data.split()]
+    return [int(p) for p in data.split() if int(p) != template]
 
 
-def _sweep(uid: int) -> None:
-    """SIGKILL every process of the execution and reap them all.
+def _sweep(uid: int, child: int | None, template: int) -> None:
+    """SIGKILL every process of the execution and reap them all (the template reaps `child` itself).
 
-    With a per-worker uid, one `kill(-1)` from a helper running as that uid reaches exactly the
-    execution's processes, whatever session or group they moved to; the kernel holds the task list
-    for the whole pass, so a fork bomb cannot add a process behind it. Orphans reparent to this
-    subreaper worker, so reaping until ECHILD leaves nothing behind. Without root, the subreaper's
-    children are killed until none is left (processes reparent to us as their parents die).
+    `child` (the template's child, None once reaped) is killed directly, in case it has not yet dropped
+    to the execution's uid. With a per-worker uid, one `kill(-1)` from a helper running as that uid
+    reaches exactly the execution's processes, whatever session or group they moved to; the kernel
+    holds the task list for the whole pass, so a fork bomb cannot add a process behind it. Orphans
+    reparent to this subreaper worker, so reaping until only the template is left leaves nothing
+    behind. Without root, the subreaper's children are killed until none is left.
     """
+    if child is not None:
+        for kill in (os.killpg, os.kill):  # the child is its own session and group leader (setsid)
+            try:
+                kill(child, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
     if uid:
         helper = os.fork()
         if helper == 0:
@@ -231,27 +128,18 @@ def _sweep(uid: int) -> None:
                 os.kill(-1, signal.SIGKILL)
             finally:
                 os._exit(0)
-        while True:
-            try:
-                os.waitpid(-1, 0)
-            except ChildProcessError:
-                return
-    while kids := _children():
+        while kids := _leftovers(template):  # all SIGKILLed (or the helper, exiting): each wait is short
+            for pid in kids:
+                os.waitpid(pid, 0)
+        return
+    while kids := _leftovers(template):
         for pid in kids:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        while True:
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
-                break
+            for kill in (os.killpg, os.kill):
+                try:
+                    kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            os.waitpid(pid, os.WNOHANG)
         time.sleep(0.001)
 
 
@@ -305,36 +193,78 @@ def _remove_scratch(path: str, tmpfs: bool) -> None:
         subprocess.run(["rm", "-rf", "--one-file-system", path], check=True)
 
 
-def run_one(code: str, timeout_s: float, uid: int, limits: dict) -> dict:
+def load_template_module():
+    """sandbox_template.py, from beside this file (this script runs with -P: its dir is not on sys.path)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_template.py")
+    spec = importlib.util.spec_from_file_location("_pg_sandbox_template", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Template:
+    """This worker's side of the fork template: its pid and the pipes to it and to its children."""
+
+    def __init__(self, module, limits: dict, proto_fds: tuple[int, int]):
+        """Fork the template process running `module` (sandbox_template, loaded before isolation hid
+        its file); after isolation, so that it inherits the namespaces and the environment."""
+        (self.out, out_w), (self.err, err_w), (self.tag, tag_w) = os.pipe(), os.pipe(), os.pipe()
+        ctl_r, self.ctl = os.pipe()
+        self.rep, rep_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            try:
+                for fd in (*proto_fds, self.out, self.err, self.tag, self.ctl, self.rep):
+                    os.close(fd)  # so that each side sees EOF when the other dies
+                if not limits["pidns"]:  # in a pid namespace the worker's death kills us anyway
+                    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                module.serve(limits, ctl_r, rep_w, (out_w, err_w, tag_w))
+            finally:
+                os._exit(1)
+        for fd in (out_w, err_w, tag_w, ctl_r, rep_w):
+            os.close(fd)
+        for fd in (self.out, self.err, self.tag):  # the template keeps their write ends: never EOF
+            os.set_blocking(fd, False)
+        if self.recv() != b"R":
+            raise RuntimeError("sandbox template died while starting (its traceback is on stderr)")
+
+    def recv(self, n: int = 1) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = os.read(self.rep, n - len(data))
+            if not chunk:
+                raise RuntimeError("sandbox template died")
+            data += chunk
+        return data
+
+
+def run_one(code: str, timeout_s: float, limits: dict, tpl: Template) -> dict:
     """Run one program in a fresh child with a fresh scratch dir; return the result fields."""
-    scratch = limits["scratch"]
+    scratch, uid, cap = limits["scratch"], limits["uid"], limits["output_bytes"]
     _make_scratch(scratch, uid, limits["scratch_tmpfs"])
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    tag_r, tag_w = os.pipe()
+    fd = os.open(os.path.join(scratch, "main.py"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    view = memoryview(code.encode("utf-8", "surrogateescape"))
+    while view:
+        view = view[os.write(fd, view):]
+    os.close(fd)
     t0 = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        _child(code, scratch, uid, limits, timeout_s, (out_w, err_w, tag_w))
-    for fd in (out_w, err_w, tag_w):
-        os.close(fd)
-    cap = limits["output_bytes"]
-    bufs = {out_r: bytearray(), err_r: bytearray(), tag_r: bytearray()}
-    pidfd = os.pidfd_open(pid)
-    # select.poll rather than selectors: every page the worker writes after a fork is a copy-on-write
-    # fault, and the selectors machinery alone touches ~80 of them per execution
-    poller, is_open = select.poll(), dict.fromkeys((*bufs, pidfd), True)
-    for fd in is_open:
-        poller.register(fd, select.POLLIN)
+    os.write(tpl.ctl, struct.pack("<d", timeout_s))
+    child: int | None = struct.unpack("<i", tpl.recv(4))[0]
+    bufs = {tpl.out: bytearray(), tpl.err: bytearray(), tpl.tag: bytearray()}
 
     def drain(fd: int) -> None:
-        data = os.read(fd, 1 << 16)
-        if not data:
-            poller.unregister(fd)
-            is_open[fd] = False
-        elif len(bufs[fd]) < cap:  # beyond the cap: keep reading so the writer never blocks, discard
-            bufs[fd] += data[: cap - len(bufs[fd])]
+        """Read what is there now (beyond the cap: read and discard, so the writer never blocks)."""
+        try:
+            while data := os.read(fd, 1 << 16):
+                if len(bufs[fd]) < cap:
+                    bufs[fd] += data[: cap - len(bufs[fd])]
+        except BlockingIOError:
+            pass
 
+    # select.poll rather than selectors: fewer objects and pages touched per execution
+    poller = select.poll()
+    for fd in (*bufs, tpl.rep):
+        poller.register(fd, select.POLLIN)
     deadline, wait_status, timed_out = t0 + timeout_s, None, False
     while wait_status is None:
         left = deadline - time.monotonic()
@@ -342,66 +272,33 @@ def run_one(code: str, timeout_s: float, uid: int, limits: dict) -> dict:
             timed_out = True
             break
         for fd, _ in poller.poll(math.ceil(left * 1000)):  # ms, rounded up: never wakes early forever
-            if fd == pidfd:
-                wait_status = os.waitpid(pid, 0)[1]
+            if fd == tpl.rep:
+                wait_status, child = struct.unpack("<i", tpl.recv(4))[0], None
             else:
                 drain(fd)
     duration = time.monotonic() - t0
-    poller.unregister(pidfd)
-    is_open[pidfd] = False
-    if timed_out or _children():
-        _sweep(uid)
-        if wait_status is None:
-            wait_status = 9  # the sweep reaped it: it was still running at the deadline
-    while any(is_open.values()):  # every writer is dead now, so this reaches EOF on each pipe
-        for fd, _ in poller.poll():
-            drain(fd)
-    for fd in (*bufs, pidfd):
-        os.close(fd)
+    if timed_out or _leftovers(tpl.pid):
+        _sweep(uid, child, tpl.pid)
+        if wait_status is None:  # the template reaps its child, dead now
+            wait_status = struct.unpack("<i", tpl.recv(4))[0]
+            _sweep(uid, None, tpl.pid)  # again: the child's own children reparented here as it died
+    for fd in bufs:  # every writer is dead now, so all they wrote is in the pipes
+        drain(fd)
     files = _read_files(scratch, uid, limits)
     _remove_scratch(scratch, limits["scratch_tmpfs"])
     sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else 0
     exit_code = -sig if sig else os.WEXITSTATUS(wait_status)
     if timed_out or sig == signal.SIGXCPU:  # SIGXCPU: RLIMIT_CPU, reached early by busy threads
         status = "timeout"
-    elif bufs[tag_r] == MEMORY_TAG:
+    elif bufs[tpl.tag] == MEMORY_TAG:
         status = "memory"
     elif sig:
         status = "killed"
     else:
         status = "ok" if exit_code == 0 else "error"
     return {"status": status, "exit_code": None if timed_out else exit_code,
-            "stdout": bufs[out_r].decode("utf-8", "replace"),
-            "stderr": bufs[err_r].decode("utf-8", "replace"), "files": files, "duration_s": duration}
-
-
-WARMUP = """
-from typing import *
-from collections import *
-class Solution:
-    def f(self, nums: List[int]) -> int:
-        return sum(x * x for x in nums if x % 2) + len([c for c in f"{nums!r}"]) + max(nums, key=abs)
-assert Solution().f([1, 2, 3]) == 22, "message"
-def g():
-    raise ValueError("warm")
-"""
-
-
-def _warm_up() -> None:
-    """Do once here what every child would otherwise do first, at a cost of ~10 ms per fork: imports,
-    the first compile() (lazy parser setup) and the first traceback (linecache, formatting)."""
-    for name in PRELOAD:
-        importlib.import_module(name)
-    ns: dict = {"__name__": "__warmup__"}
-    exec(compile(WARMUP, "<warmup>", "exec"), ns)
-    stderr, sys.stderr = sys.stderr, io.StringIO()
-    try:
-        ns["g"]()
-    except ValueError as e:
-        _print_exception(type(e), e, e.__traceback__)
-    finally:
-        sys.stderr = stderr
-    gc.freeze()  # the template's objects are never scanned by a child's GC, so never copied-on-write
+            "stdout": bufs[tpl.out].decode("utf-8", "replace"),
+            "stderr": bufs[tpl.err].decode("utf-8", "replace"), "files": files, "duration_s": duration}
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
@@ -444,7 +341,7 @@ def _enter_pid_namespace(proto_fds: tuple[int, int]) -> bool:
     for fd in proto_fds:  # so the pool sees EOF as soon as the server dies
         os.close(fd)
     status = os.waitpid(server, 0)[1]
-    _exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
 
 
 def _make_root() -> str:
@@ -467,22 +364,25 @@ def main() -> None:
     _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
     keep = sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))})
     hide = sorted({"/root", "/home"} | {"/" + p.split("/")[1] for p in limits["hide"]} - SYSTEM_TOPS)
-    _warm_up()
+    module = load_template_module()  # before _isolate, which may hide the directory it is in
     isolation = {**_isolate(hide, keep, limits["isolate"]), "pidns": pidns}
-    uid = UID_BASE + outer_pid if isolation["uid_drop"] else 0
+    limits["uid"] = UID_BASE + outer_pid if isolation["uid_drop"] else 0
     limits["scratch_root"] = "/tmp" if isolation["mountns"] else _make_root()
     limits["scratch_tmpfs"], limits["pidns"] = isolation["mountns"], pidns
     # the same path for every execution (each gets a fresh dir there), so no result depends on the order
     limits["scratch"] = os.path.join(limits["scratch_root"], "x")
     os.chmod(limits["scratch_root"], 0o711)  # the program's uid may enter its own dir, not list others
-    os.environ.clear()  # once here rather than in each child (~130 pages copied per fork)
+    os.environ.clear()  # here, so that the template and every child inherit it untouched
     os.environ.update(child_env(limits["scratch"]))
-    # inherited by every child, and irreversible; the worker itself never execs anything setuid
+    # inherited by the template and every child, and irreversible; nothing here execs anything setuid
     _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
-    write_msg(proto_out, {"ready": True, "isolation": isolation, "scratch_root": limits["scratch_root"]})
     try:
+        tpl = Template(module, limits, (proto_in, proto_out))
+        write_msg(proto_out, {"ready": True, "isolation": isolation, "scratch_root": limits["scratch_root"]})
         while (req := _read_msg(proto_in)) is not None:
-            write_msg(proto_out, run_one(req["code"], req["timeout_s"], uid, limits))
+            write_msg(proto_out, run_one(req["code"], req["timeout_s"], limits, tpl))
+        os.close(tpl.ctl)  # EOF: the template exits; reaped here, so its CPU time is accounted
+        os.waitpid(tpl.pid, 0)
     finally:
         if not isolation["mountns"]:
             _remove_scratch(limits["scratch_root"], False)
