@@ -103,6 +103,13 @@ def test_sleep_past_timeout(pool):
     _run(pool, "import time\ntime.sleep(100)\n", "timeout")
 
 
+def test_deadline_before_the_program_starts(pool):
+    # a deadline that passes while the child is still confining itself (before it drops to the
+    # execution's uid, out of reach of the uid-wide kill): the child is killed directly
+    for _ in range(5):
+        _run(pool, "import time\ntime.sleep(100)\n", "timeout", timeout_s=1e-4)
+
+
 def test_busy_loop_in_thread(pool):
     # the main thread returns at once, but a non-daemon thread keeps the program alive (as in CPython)
     _run(pool, "import threading\nthreading.Thread(target=lambda: any(iter(int, 1))).start()\n",
