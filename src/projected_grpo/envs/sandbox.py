@@ -1,8 +1,9 @@
 """Sandboxed execution of untrusted, model-written Python programs, on a pool of fork-server workers.
 
-Each execution is a fresh fork of a clean worker (`sandbox_worker.py`, heavy imports done once) that
-runs the program as `python main.py` would, and returns an `ExecutionResult`. Threat model, after
-nanochat's execution.py:
+Each worker (`sandbox_worker.py`) keeps a fork template (`sandbox_template.py`: heavy imports done once,
+a loop that does nothing but fork); each execution is a fresh fork of that template that runs the
+program as `python main.py` would, and returns an `ExecutionResult`. Threat model, after nanochat's
+execution.py:
 
 What is covered:
 - a separate process per execution, in its own session, in a fresh scratch cwd removed afterwards;
@@ -13,8 +14,8 @@ What is covered:
   the whole task list at once (a fork bomb cannot outrun it); the worker then reaps until ECHILD.
   When the program exits, whatever it left running (threads, children) is killed the same way;
 - as root (our container): the program runs under a uid no other process has (base + worker pid),
-  so it cannot signal the workers, the caller or other executions, nor read any other process's
-  /proc/<pid>/environ; no_new_privs is set; parent-death signal on the worker;
+  so it cannot signal the workers, their fork templates, the caller or other executions, nor read
+  any other process's /proc/<pid>/environ; no_new_privs is set; parent-death signal on the worker;
 - as root: each worker is pid 1 of its own pid namespace, so if it dies (even SIGKILLed with the
   caller) the kernel kills every process left in it; programs see only their own processes;
 - as root: each worker has its own network namespace (only `lo`, down: no connection to any address,
