@@ -219,6 +219,8 @@ class Template:
                 if not limits["pidns"]:  # in a pid namespace the worker's death kills us anyway
                     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
                 module.serve(limits, ctl_r, rep_w, (out_w, err_w, tag_w))
+            except BaseException:
+                sys.excepthook(*sys.exc_info())  # on the worker's stderr, then exit: the worker raises
             finally:
                 os._exit(1)
         for fd in (out_w, err_w, tag_w, ctl_r, rep_w):
