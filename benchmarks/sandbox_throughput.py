@@ -10,7 +10,8 @@ or uid drop, so the speedup is a lower bound. Every Grade must be equal on both 
 
     .venv/bin/python benchmarks/sandbox_throughput.py [--reps 3] [--workers N]
 
-Last line: `RESULT execs_per_s=<x> speedup_vs_subprocess=<y>`.
+Pool and baseline passes alternate; last line: `RESULT execs_per_s=<x> speedup_vs_subprocess=<y>`, the
+medians over the (pool, baseline) pairs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import concurrent.futures
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,9 +92,16 @@ def grade_all(sandbox, completions: list[str], problems: list) -> tuple[list, in
     return Grader(counting).grade_batch(completions, problems), counting.n
 
 
+def timed(sandbox, completions: list[str], problems: list) -> tuple[list, int, float, float]:
+    """Grade the mix once: grades, executions, wall seconds, CPU seconds (this process + reaped children)."""
+    c0, t0 = cpu_s(), time.monotonic()
+    grades, n = grade_all(sandbox, completions, problems)
+    return grades, n, time.monotonic() - t0, cpu_s() - c0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3, help="passes of the mix through the pool")
+    ap.add_argument("--reps", type=int, default=3, help="(pool, baseline) pairs, run back to back")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="concurrent executions (both sides)")
     args = ap.parse_args()
     completions, problems = [], []
@@ -103,40 +112,31 @@ def main() -> int:
     print(f"mix: {len(completions)} completions of {len(BUILTIN_PROBLEMS)} built-in problems; "
           f"{args.workers} workers; cores={os.cpu_count()}; load avg {os.getloadavg()[0]:.1f} "
           f"(others share these cores)")
-
-    c0, t0 = cpu_s(), time.monotonic()
+    # Pool and baseline alternate, and each pair gives one ratio: on shared cores the machine's speed
+    # drifts by tens of percent over minutes, which would bias two separate blocks of runs.
+    baseline, rates, ratios = SubprocessBaseline(args.workers), [], []
     with SandboxPool(args.workers) as pool:
-        print(f"pool: started {args.workers} workers in {time.monotonic() - t0:.2f}s; "
-              f"isolation {pool.isolation}")
-        t1, n_pool = time.monotonic(), 0
-        for _ in range(args.reps):
-            grades, n = grade_all(pool, completions, problems)
-            n_pool += n
-        pool_s = time.monotonic() - t1
-    pool_cpu = cpu_s() - c0  # includes starting the workers: a slight overestimate
-    pool_rate = n_pool / pool_s
-    print(f"pool:     {n_pool} execs ({args.reps} x {len(completions)} completions) in {pool_s:.2f}s = "
-          f"{pool_rate:.0f} execs/s, {args.reps * len(completions) / pool_s:.0f} completions/s; "
-          f"{pool_cpu / n_pool * 1e3:.2f} CPU-ms per exec")
-
-    c2, t2 = cpu_s(), time.monotonic()
-    base_grades, n_base = grade_all(SubprocessBaseline(args.workers), completions, problems)
-    base_s, base_cpu = time.monotonic() - t2, cpu_s() - c2
-    base_rate = n_base / base_s
-    print(f"baseline: {n_base} execs ({len(completions)} completions) in {base_s:.2f}s = "
-          f"{base_rate:.0f} execs/s, "
-          f"{len(completions) / base_s:.0f} completions/s (subprocess.run each); "
-          f"{base_cpu / n_base * 1e3:.2f} CPU-ms per exec")
-    diff = [(i, g, b) for i, (g, b) in enumerate(zip(grades, base_grades)) if g != b]
-    if diff or n_base * args.reps != n_pool:
-        raise SystemExit(f"pool and baseline disagree: {len(diff)} grades differ, first {diff[:1]}; "
-                         f"execs {n_pool} vs {args.reps} x {n_base}")
+        print(f"pool: {args.workers} workers; isolation {pool.isolation}")
+        for rep in range(args.reps):
+            grades, n, pool_s, _ = timed(pool, completions, problems)  # its workers' CPU shows at close
+            base_grades, n_base, base_s, base_cpu = timed(baseline, completions, problems)
+            diff = [(i, g, b) for i, (g, b) in enumerate(zip(grades, base_grades)) if g != b]
+            if diff or n != n_base:
+                raise SystemExit(f"pool and baseline disagree: {len(diff)} grades differ, first {diff[:1]}; "
+                                 f"execs {n} vs {n_base}")
+            rates.append(n / pool_s)
+            ratios.append(rates[-1] / (n_base / base_s))
+            print(f"pair {rep + 1}: pool {n} execs in {pool_s:.2f}s = {rates[-1]:.0f} execs/s "
+                  f"({len(completions) / pool_s:.0f} completions/s); baseline {n_base / base_s:.0f} execs/s, "
+                  f"{base_cpu / n_base * 1e3:.1f} CPU-ms per exec (parent included); ratio {ratios[-1]:.1f}")
+        c0 = cpu_s()
+    pool_cpu = cpu_s() - c0  # the workers, their templates and every execution, reaped at close
+    print(f"pool CPU: {pool_cpu / (args.reps * n) * 1e3:.2f} CPU-ms per exec (workers, templates, children; "
+          f"the grading parent's own CPU not included)")
     print(f"grades: all {len(grades)} equal on both sides; exploited {sum(g.exploited for g in grades)}, "
           f"gt_correct {sum(g.gt_correct for g in grades)}")
-    print(f"CPU-bound capacity on {os.cpu_count()} idle cores (execs per CPU-second x cores): "
-          f"pool {n_pool / pool_cpu * os.cpu_count():.0f} execs/s, "
-          f"baseline {n_base / base_cpu * os.cpu_count():.0f}")
-    print(f"RESULT execs_per_s={pool_rate:.0f} speedup_vs_subprocess={pool_rate / base_rate:.1f}")
+    print(f"RESULT execs_per_s={statistics.median(rates):.0f} "
+          f"speedup_vs_subprocess={statistics.median(ratios):.1f}")
     return 0
 
 
