@@ -30,7 +30,7 @@ What is covered:
 What is not covered:
 - without root (or with isolate=False): no uid drop, no namespaces, no RLIMIT_NPROC (it would count
   all the caller's processes): the program can read/write what the caller can, use the network, read
-  the caller's environ and kill its worker (which is replaced; the execution reports "killed", and
+  the caller's environ and kill its worker or fork template (replaced; the execution reports "killed", and
   what it had forked may survive). `SandboxPool.isolation` says which protections are active;
 - memory is capped per process, not per execution (worst case processes x memory_bytes): no cgroup
   is used, as the container's cgroup tree belongs to the host's runner; CPU and disk bandwidth are
