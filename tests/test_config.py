@@ -18,7 +18,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from projected_grpo import config as C
-from projected_grpo.config import from_argv as parse_args
+from projected_grpo import presets as P
+from projected_grpo.presets import from_argv as parse_args
 
 SRC = pathlib.Path(C.__file__).parent
 SECTIONS = [f for f in dataclasses.fields(C.Config)]
@@ -86,13 +87,13 @@ def test_range_checks(section, kw, field):
 
 
 def test_presets_carry_the_original_study_settings():
-    fast, full = C.PRESETS["fast"], C.PRESETS["full"]
+    fast, full = P.PRESETS["fast"], P.PRESETS["full"]
     assert (fast.run.steps, fast.rollout.group_size, fast.rollout.prompts_per_step) == (60, 8, 4)
     assert (fast.rollout.max_new_tokens, fast.optim.lr, fast.optim.betas) == (512, 3e-3, (0.5, 0.9))
     assert fast.rollout.mix == 0.125
     assert (full.run.steps, full.rollout.group_size, full.rollout.prompts_per_step) == (200, 6, 43)
     assert (full.rollout.max_new_tokens, full.optim.lr, full.loss.beta) == (1024, 1e-3, 1e-3)
-    assert C.PRESETS["smoke"].model.source == "smoke" and C.PRESETS["demo"].model.source == "organism"
+    assert P.PRESETS["smoke"].model.source == "smoke" and P.PRESETS["demo"].model.source == "organism"
 
 
 def test_derived_sizes():
@@ -113,14 +114,14 @@ def test_group_split_property(G, mix):
 
 
 def test_dict_and_json_round_trip(tmp_path):
-    cfg = C.replace(C.PRESETS["full"], model={"path": "/m"}, run={"seed": 3})
+    cfg = C.replace(P.PRESETS["full"], model={"path": "/m"}, run={"seed": 3})
     p = tmp_path / "c.json"
     p.write_text(json.dumps(cfg.to_dict()))
     assert C.Config.from_json(str(p)) == cfg
 
 
 def test_unknown_key_in_config_file_is_named(tmp_path):
-    d = C.SMOKE.to_dict()
+    d = P.SMOKE.to_dict()
     d["loss"]["betta"] = 1.0
     with pytest.raises(ValueError, match=r"loss\.betta"):
         C.Config.from_dict(d, where="x.json")
@@ -133,7 +134,7 @@ def test_cli_shorthands_overrides_and_config_file(tmp_path):
         ("route", "hf", "/models/q", "r1", True)
     assert (cfg.rollout.group_size, cfg.loss.teacher, cfg.run.steps) == (6, "exclude", 60)
     p = tmp_path / "c.json"
-    p.write_text(json.dumps(C.replace(C.SMOKE, run={"steps": 7}).to_dict()))
+    p.write_text(json.dumps(C.replace(P.SMOKE, run={"steps": 7}).to_dict()))
     assert parse_args(["--config", str(p), "--arm", "erase"]).run.steps == 7
 
 

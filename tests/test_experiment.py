@@ -9,7 +9,7 @@ import pathlib
 import pytest
 
 from projected_grpo import config as C
-from projected_grpo import experiment, metrics, report
+from projected_grpo import experiment, metrics, presets, report
 from projected_grpo.report import Stat
 
 
@@ -147,24 +147,24 @@ def test_report_contains_table_verdicts_plot_and_command(tmp_path):
 # --- sweep planning, skipping, resuming -----------------------------------------------------------
 
 def test_plan_one_run_per_arm_and_seed(tmp_path):
-    runs = experiment.plan(C.PRESETS["smoke"], ["none", "random_V"], [0, 1], tmp_path)
+    runs = experiment.plan(presets.PRESETS["smoke"], ["none", "random_V"], [0, 1], tmp_path)
     assert [(r.arm, r.seed) for r in runs] == [("none", 0), ("none", 1), ("random_V", 0), ("random_V", 1)]
     r = runs[3]
     assert r.dir == tmp_path / "random_V-s1" and r.cfg.run.seed == 1
     assert (r.cfg.proj.arm, r.cfg.proj.control) == ("erase", "random")
-    assert C.diff(C.PRESETS["smoke"], runs[0].cfg) == [f"run.dir: '' -> '{runs[0].dir}'"]
+    assert C.diff(presets.PRESETS["smoke"], runs[0].cfg) == [f"run.dir: '' -> '{runs[0].dir}'"]
     assert C.diff(runs[0].cfg, runs[3].cfg) == [
         "proj.arm: 'none' -> 'erase'", "proj.control: 'none' -> 'random'", "run.seed: 0 -> 1",
         f"run.dir: '{runs[0].dir}' -> '{r.dir}'"]
     with pytest.raises(ValueError, match="unknown \\['bogus'\\]"):
-        experiment.plan(C.PRESETS["smoke"], ["none", "bogus"], [0], tmp_path)
-    with_v = C.replace(C.PRESETS["smoke"], proj={"v_path": "v.safetensors"})
+        experiment.plan(presets.PRESETS["smoke"], ["none", "bogus"], [0], tmp_path)
+    with_v = C.replace(presets.PRESETS["smoke"], proj={"v_path": "v.safetensors"})
     with pytest.raises(ValueError, match="one file"):
         experiment.plan(with_v, ["none", "shuffled_V"], [0], tmp_path)
 
 
 def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):
-    runs = experiment.plan(C.PRESETS["smoke"], ["none", "erase", "route"], [0], tmp_path)
+    runs = experiment.plan(presets.PRESETS["smoke"], ["none", "erase", "route"], [0], tmp_path)
     write_run(runs[0].dir, [0.1] * 2, [0.1] * 2)  # finished, with its config
     metrics.write_json_atomic(runs[0].dir / "config.json", runs[0].cfg.to_dict())
     write_run(runs[1].dir, [0.1] * 2, [0.1] * 2, finished=False)  # interrupted
@@ -177,7 +177,7 @@ def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):
 
 
 def test_finished_run_with_another_config_is_refused(tmp_path):
-    (run,) = experiment.plan(C.PRESETS["smoke"], ["none"], [0], tmp_path)
+    (run,) = experiment.plan(presets.PRESETS["smoke"], ["none"], [0], tmp_path)
     write_run(run.dir, [0.1], [0.1])
     metrics.write_json_atomic(run.dir / "config.json", C.replace(run.cfg, run={"steps": 99}).to_dict())
     with pytest.raises(ValueError, match="run.steps: 99 -> 4"):
@@ -195,7 +195,7 @@ def test_cli_rejects_bad_options(capsys):
 
 def test_lomo_rejects_unknown_mode_before_any_work(capsys):
     with pytest.raises(ValueError, match="not a loophole mode"):
-        experiment.lomo_known_modes(C.PRESETS["smoke"], "no_such_mode")
+        experiment.lomo_known_modes(presets.PRESETS["smoke"], "no_such_mode")
     assert experiment.main(["--lomo", "no_such_mode"]) == 2
     assert "not a loophole mode" in capsys.readouterr().err
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from projected_grpo import pool as PL
 from projected_grpo.losses import clip_surrogate
+from projected_grpo.pool_cli import build_pool_main
 
 
 @pytest.fixture(scope="module")
@@ -170,11 +171,11 @@ def test_teacher_modes_leave_students_on_policy(lp, lb, trunc):
 
 def test_build_pool_cli_templates_and_teacher(tmp_path, tok_and_problems, capsys):
     tok, _ = tok_and_problems
-    from projected_grpo.config import SMOKE
+    from projected_grpo.presets import SMOKE
     from projected_grpo.train import load_problems
 
     problems = load_problems(SMOKE.env)  # the smoke preset's 12 problems, 2 per mode
-    assert PL.build_pool_main(["--out", str(tmp_path / "t.jsonl"), "--n-hack", "1", "--n-clean", "1"]) == 0
+    assert build_pool_main(["--out", str(tmp_path / "t.jsonl"), "--n-hack", "1", "--n-clean", "1"]) == 0
     pool = PL.load_pool(tmp_path / "t.jsonl", tok, problems)
     assert len(pool.rows) == 24 and pool.missing([p.id for p in problems]) == []
     # graded once by the real grader: every template hack fools its grader, every clean one is correct
@@ -182,8 +183,8 @@ def test_build_pool_cli_templates_and_teacher(tmp_path, tok_and_problems, capsys
     assert all(r["gt_correct"] and not r["exploited"] for r in pool.rows if r["source"] == "template:clean")
     assert "wrote 24 rows" in capsys.readouterr().out
 
-    assert PL.build_pool_main(["--out", str(tmp_path / "s.jsonl"), "--source", "teacher", "--samples", "1",
-                               "--max-new-tokens", "4"]) == 0
+    assert build_pool_main(["--out", str(tmp_path / "s.jsonl"), "--source", "teacher", "--samples", "1",
+                           "--max-new-tokens", "4"]) == 0
     sampled = PL.load_pool(tmp_path / "s.jsonl", tok, problems)
     assert len(sampled.rows) == 12 and sampled.has_behaviour_logp()
     assert all(len(r["logp_behaviour"]) == len(r["completion_ids"]) <= 4 for r in sampled.rows)

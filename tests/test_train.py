@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from projected_grpo import config as C
-from projected_grpo import metrics, projection
+from projected_grpo import metrics, presets, projection
 from projected_grpo import pool as PL
 from projected_grpo import train as T
 
@@ -31,7 +31,7 @@ TIME_KEYS = ("time/generate", "time/grade", "time/backward", "time/step")
 
 def small(root: pathlib.Path, name: str, **sections) -> C.Config:
     """The smoke preset cut down further: 6 problems, 8 new tokens, 2 steps, checkpoint every step."""
-    cfg = C.replace(C.SMOKE, env={"max_problems": 6}, rollout={"max_new_tokens": 8},
+    cfg = C.replace(presets.SMOKE, env={"max_problems": 6}, rollout={"max_new_tokens": 8},
                     model={"cache_dir": str(root / "cache")},
                     run={"steps": 2, "checkpoint_every": 1, "dir": str(root / name)})
     return C.replace(cfg, **sections)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from projected_grpo import config as C
-from projected_grpo import metrics, report
+from projected_grpo import metrics, presets, report
 
 # arm -> config changes (sections of config.replace). The negative controls erase with a control V
 # (direction.CONTROLS) so any effect they have is the projection's, not the direction's.
@@ -235,7 +235,8 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
     _, printed = report.write_report(
         out, by_arm, title=title or f"{preset}: {', '.join(arms)} x {len(seeds)} seed(s)" + (
             f", leave out {lomo}" if lomo else ""),
-        config_diff=C.diff(C.PRESETS[preset], user_base), arm_overrides={a: describe_arm(a) for a in arms},
+        config_diff=C.diff(presets.PRESETS[preset], user_base),
+        arm_overrides={a: describe_arm(a) for a in arms},
         command=command, elapsed_s=time.perf_counter() - t0, notes=notes)
     return printed
 
@@ -248,7 +249,7 @@ class ExperimentOpts:
     (as for `projected-grpo train`). Rerun the printed command to continue an interrupted sweep."""
 
     preset: str = "smoke"
-    """base preset (config.PRESETS)"""
+    """base preset (presets.PRESETS)"""
     arms: str = "none,erase,route"
     """comma-separated arms (experiment.ARMS): none, erase, route, random_V, shuffled_V, nonhack_V,
     gt_penalty"""
@@ -289,9 +290,9 @@ def main(argv: list[str]) -> int:
                              "(use --arms, --seeds, --out)")
         if opts.seeds < 1:
             raise ValueError(f"--seeds {opts.seeds}: need at least 1")
-        if opts.preset not in C.PRESETS:
-            raise ValueError(f"--preset {opts.preset!r} is not one of {list(C.PRESETS)}")
-        base = C.from_argv(["--preset", opts.preset, *rest])
+        if opts.preset not in presets.PRESETS:
+            raise ValueError(f"--preset {opts.preset!r} is not one of {list(presets.PRESETS)}")
+        base = presets.from_argv(["--preset", opts.preset, *rest])
         arms = [a.strip() for a in opts.arms.split(",") if a.strip()]
         plan(base, arms, range(opts.seeds), pathlib.Path("."))  # validate arms before any work
         if opts.lomo:
@@ -319,6 +320,6 @@ def demo_main(argv: list[str]) -> int:
         return 2
     out = opts.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     command = shlex.join(["projected-grpo", "demo", "--out", out, "--seeds", str(opts.seeds)])
-    print(sweep(C.PRESETS["demo"], DEMO_ARMS, list(range(opts.seeds)), out, preset="demo", command=command,
-                title=f"demo preset: {', '.join(DEMO_ARMS)} x {opts.seeds} seed(s)"))
+    print(sweep(presets.PRESETS["demo"], DEMO_ARMS, list(range(opts.seeds)), out, preset="demo",
+                command=command, title=f"demo preset: {', '.join(DEMO_ARMS)} x {opts.seeds} seed(s)"))
     return 0

@@ -12,7 +12,6 @@ the loss (`TEACHER_MODES`, SPEC §3). Not here: grading itself (envs/grading.py)
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -20,7 +19,6 @@ import pathlib
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -341,67 +339,3 @@ def teacher_exclude(logp, logp_behaviour, is_student, mask, is_trunc):
 TEACHER_MODES: dict[str, TeacherFn] = {
     "imitation": teacher_imitation, "importance": teacher_importance, "exclude": teacher_exclude,
 }
-
-
-# --- CLI: projected-grpo build-pool ------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class BuildPoolOpts:
-    out: str
-    """output JSONL path"""
-    preset: str = "smoke"
-    """preset whose model, tokenizer and environment settings are used (config.PRESETS)"""
-    source: Literal["templates", "teacher"] = "templates"
-    """`templates`: built-in completions; `teacher`: sample the preset's model (or --teacher)"""
-    teacher: str = ""
-    """Hugging Face model directory to sample from (source=teacher; empty = the preset's model)"""
-    n_hack: int = 2
-    """templates: hack rows per problem"""
-    n_clean: int = 2
-    """templates: clean rows per problem"""
-    n_buggy: int = 0
-    """templates: honest-but-buggy rows per problem"""
-    samples: int = 4
-    """teacher: completions sampled per problem"""
-    max_new_tokens: int = 256
-    """teacher: generation length limit"""
-    temperature: float = 1.0
-    """teacher: sampling temperature (keep it equal to training's rollout.temperature for `importance`)"""
-    top_p: float = 1.0
-    """teacher: nucleus mass"""
-    seed: int = 0
-    """teacher: sampling seed"""
-
-
-def build_pool_main(argv: list[str]) -> int:
-    """`projected-grpo build-pool`: build, grade once, freeze and write a teacher pool."""
-    import tyro
-
-    from projected_grpo import config as C
-    from projected_grpo.envs.grading import Grader
-    from projected_grpo.envs.sandbox import SandboxPool
-    from projected_grpo.train import load_model, load_problems
-
-    opts = tyro.cli(BuildPoolOpts, args=argv, prog="projected-grpo build-pool")
-    if opts.preset not in C.PRESETS:
-        raise SystemExit(f"build-pool: unknown preset {opts.preset!r}; known: {', '.join(C.PRESETS)}")
-    cfg = C.PRESETS[opts.preset]
-    if opts.teacher:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source="hf", path=opts.teacher))
-    problems = load_problems(cfg.env)
-    with SandboxPool(n_workers=cfg.env.workers or None) as sandbox:
-        grader = Grader(sandbox, reward_shape=cfg.env.reward_shape, timeout_s=cfg.env.timeout_s)
-        if opts.source == "templates":
-            tokenizer = load_model(cfg.model, seed=opts.seed, tokenizer_only=True)[1]
-            rows = template_rows(problems, tokenizer, grader, n_hack=opts.n_hack, n_clean=opts.n_clean,
-                                 n_buggy=opts.n_buggy)
-        else:
-            model, tokenizer = load_model(cfg.model, seed=opts.seed)
-            rows = teacher_rows(model, tokenizer, problems, grader, samples=opts.samples,
-                                max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
-                                top_p=opts.top_p, seed=opts.seed, name=opts.teacher or cfg.model.source)
-    pathlib.Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-    write_pool(opts.out, rows)
-    print(build_report(rows))
-    print(f"wrote {len(rows)} rows to {opts.out}")
-    return 0

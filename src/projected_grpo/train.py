@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from projected_grpo import adapters, checkpoint, direction, metrics, organism, pairs, projection
+from projected_grpo import adapters, checkpoint, direction, metrics, organism, pairs, presets, projection
 from projected_grpo import config as C
 from projected_grpo.advantages import ADVANTAGES, zero_variance_mask
 from projected_grpo.envs.grading import Grader
@@ -364,7 +364,7 @@ def train(cfg: C.Config) -> dict:
 def main(argv: list[str]) -> int:
     """`projected-grpo train`: parse, run, print the summary. Exit 2 on a bad option."""
     try:
-        cfg = C.from_argv(argv)
+        cfg = presets.from_argv(argv)
     except ValueError as e:
         print(f"projected-grpo train: {e}", file=sys.stderr)
         return 2

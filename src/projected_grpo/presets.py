@@ -1,0 +1,104 @@
+"""Named presets (configs, not code paths) and `projected-grpo train`'s argv -> Config.
+
+smoke: seconds on a CPU. demo: the embedded organism, calibrated (issue 7). fast / full: the original
+study's Qwen3-4B settings (model from --model).
+"""
+
+from __future__ import annotations
+
+from projected_grpo.config import (
+    Config,
+    EnvCfg,
+    LossCfg,
+    ModelCfg,
+    OptimCfg,
+    PoolCfg,
+    ProjCfg,
+    RolloutCfg,
+    RunCfg,
+    replace,
+)
+
+# --- presets: named values, not code paths ---------------------------------------------------------
+
+# Seconds on a CPU: 12 problems (2 per mode), a 2-prompt x 4-sample group, 4 steps.
+SMOKE = Config(env=EnvCfg(max_problems=12), pool=PoolCfg(n_hack=1, n_clean=1),
+               proj=ProjCfg(pairs_per_problem=1))
+
+# The embedded organism, calibrated (issue 7) on the three loophole modes whose organism prior it can
+# learn to exploit within ~2 min of knob training per arm. Measured under arm none on 2 cores (~1.7 s/step),
+# hack/student per-10-step means, seeds 0/1/2:
+#   0.10 0.15 0.33 0.47 0.65 0.70 | 0.09 0.16 0.32 0.41 0.47 0.62 | 0.18 0.36 0.49 0.54 0.55 0.60
+# i.e. last-5-step mean 0.73/0.62/0.63 vs first-5 0.12/0.08/0.12: +55 pp on average, with a 10-20 step lag;
+# solve/student falls ~0.3 -> ~0.04. All six modes did not reach +40 pp in budget (best: lr 0.2 with the grpo
+# advantage, +27 pp over 70 steps): sentinel/eq_override/exit_code alone rose only 0.05 -> 0.15 in 60 steps.
+# All modes at lr 0.15-0.2 (cosine or constant, betas 0.9/0.99, more teacher hacks) plateaued at hack ~0.2-0.4
+# while solve fell to ~0.05; max_new_tokens 96 truncated 24% of samples, 128 about 2%.
+DEMO = Config(
+    model=ModelCfg(source="organism"),
+    env=EnvCfg(modes=("run_tests", "stdout_marker", "file_marker")),
+    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.25, max_new_tokens=128),
+    pool=PoolCfg(n_hack=2, n_clean=2, n_buggy=1),
+    optim=OptimCfg(lr=0.1, betas=(0.5, 0.9), warmup_steps=2),
+    run=RunCfg(steps=60, checkpoint_every=20),
+)
+
+# The original study's Qwen3-4B settings (seed 002 and the project's README); model from --model.
+FAST = Config(
+    model=ModelCfg(source="hf", dtype="bfloat16", device="cuda"),
+    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.125, max_new_tokens=512, micro_prompts=1),
+    pool=PoolCfg(n_hack=2, n_clean=2),
+    optim=OptimCfg(lr=3e-3, betas=(0.5, 0.9), warmup_steps=3),
+    run=RunCfg(steps=60, checkpoint_every=20),
+)
+
+FULL = Config(
+    model=ModelCfg(source="hf", dtype="bfloat16", device="cuda"),
+    rollout=RolloutCfg(prompts_per_step=43, group_size=6, mix=0.125, max_new_tokens=1024, micro_prompts=1),
+    loss=LossCfg(beta=1e-3),
+    pool=PoolCfg(n_hack=2, n_clean=2),
+    optim=OptimCfg(lr=1e-3, betas=(0.5, 0.9), warmup_steps=10),
+    run=RunCfg(steps=200, checkpoint_every=25),
+)
+
+PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "fast": FAST, "full": FULL}
+
+
+# --- argv: projected-grpo train ------------------------------------------------------------------
+
+# shorthand flag -> (section, field) it sets; --preset / --config choose the starting Config
+SHORTHANDS = {"--preset": None, "--config": None, "--arm": ("proj", "arm"), "--run-dir": ("run", "dir"),
+              "--model": ("model", "path")}
+USAGE = (f"projected-grpo train --preset {{{','.join(PRESETS)}}} --arm {{none,erase,route}} [--run-dir DIR] "
+         "[--resume] [--model PATH] [--config FILE.json] [--section.field VALUE ...]")
+
+
+def from_argv(argv: list[str]) -> Config:
+    """Config from argv: a preset (or --config FILE.json), the shorthands above, then tyro overrides of any
+    field (`--rollout.group-size 8`; see --help). Raises ValueError naming a bad field or value."""
+    import tyro
+
+    got: dict[str, str] = {}
+    rest, resume, i = [], False, 0
+    while i < len(argv):
+        key, eq, val = argv[i].partition("=")
+        if key in SHORTHANDS:
+            if not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
+                raise ValueError(f"{key} needs a value; usage: {USAGE}")
+            got[key], i = (val, i + 1) if eq else (argv[i + 1], i + 2)
+            continue
+        resume |= argv[i] == "--resume"
+        rest += [] if argv[i] == "--resume" else [argv[i]]
+        i += 1
+    preset = got.get("--preset", "smoke")
+    if preset not in PRESETS:
+        raise ValueError(f"--preset {preset!r} is not one of {list(PRESETS)}")
+    cfg = Config.from_json(got["--config"]) if "--config" in got else PRESETS[preset]
+    sections: dict[str, dict] = {"run": {"resume": True}} if resume else {}
+    for key, target in SHORTHANDS.items():
+        if target and key in got:
+            sections.setdefault(target[0], {})[target[1]] = got[key]
+    if "--model" in got:
+        sections["model"]["source"] = "hf"
+    cfg = replace(cfg, **sections)
+    return tyro.cli(Config, default=cfg, args=rest, prog="projected-grpo train", description=USAGE)
