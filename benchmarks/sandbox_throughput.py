@@ -5,10 +5,11 @@ The fixed mix is what training grades: every built-in problem's clean, buggy and
 (48 problems, 520 completions), graded by `Grader` exactly as `train` does it: the mode's foolable
 grader program and the oracle program for each completion, plus the detector-C stub run for each
 completion that passed. Both sides run the very same programs through the same `Grader`, with the
-same number of concurrent workers (default: one per core); the baseline gets no rlimits, namespaces
-or uid drop, so the speedup is a lower bound. Every Grade must be equal on both sides.
+same number of concurrent workers (default: one per core; `--baseline-workers 1` makes the baseline a
+plain sequential loop instead); the baseline gets no rlimits, namespaces or uid drop. Every Grade
+must be equal on both sides.
 
-    .venv/bin/python benchmarks/sandbox_throughput.py [--reps 3] [--workers N]
+    .venv/bin/python benchmarks/sandbox_throughput.py [--reps 3] [--workers N] [--baseline-workers M]
 
 Pool and baseline passes alternate; last line: `RESULT execs_per_s=<x> speedup_vs_subprocess=<y>`, the
 medians over the (pool, baseline) pairs.
@@ -103,18 +104,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3, help="(pool, baseline) pairs, run back to back")
     ap.add_argument("--workers", type=int, default=os.cpu_count(), help="concurrent executions (both sides)")
+    ap.add_argument("--baseline-workers", type=int, default=None,
+                    help="concurrent subprocess.run calls of the baseline (default: --workers; 1: a loop)")
     args = ap.parse_args()
+    base_workers = args.baseline_workers or args.workers
     completions, problems = [], []
     for p in BUILTIN_PROBLEMS:
         for c in clean_completions(p) + buggy_completions(p) + hack_completions(p):
             completions.append(c)
             problems.append(p)
     print(f"mix: {len(completions)} completions of {len(BUILTIN_PROBLEMS)} built-in problems; "
-          f"{args.workers} workers; cores={os.cpu_count()}; load avg {os.getloadavg()[0]:.1f} "
+          f"{args.workers} workers, baseline {base_workers}; cores={os.cpu_count()}; "
+          f"load avg {os.getloadavg()[0]:.1f} "
           f"(others share these cores)")
     # Pool and baseline alternate, and each pair gives one ratio: on shared cores the machine's speed
     # drifts by tens of percent over minutes, which would bias two separate blocks of runs.
-    baseline, rates, ratios = SubprocessBaseline(args.workers), [], []
+    baseline, rates, ratios = SubprocessBaseline(base_workers), [], []
     with SandboxPool(args.workers) as pool:
         print(f"pool: {args.workers} workers; isolation {pool.isolation}")
         for rep in range(args.reps):
