@@ -231,12 +231,8 @@ class Template:
             raise RuntimeError("sandbox template died while starting (its traceback is on stderr)")
 
     def recv(self, n: int = 1) -> bytes:
-        data = b""
-        while len(data) < n:
-            chunk = os.read(self.rep, n - len(data))
-            if not chunk:
-                raise RuntimeError("sandbox template died")
-            data += chunk
+        if (data := _read_exact(self.rep, n)) is None:
+            raise RuntimeError("sandbox template died")
         return data
 
 
@@ -304,11 +300,12 @@ def run_one(code: str, timeout_s: float, limits: dict, tpl: Template) -> dict:
 
 
 def _read_exact(fd: int, n: int) -> bytes | None:
+    """n bytes from fd, or None at EOF (the other side closed or died)."""
     buf = bytearray()
     while len(buf) < n:
         chunk = os.read(fd, n - len(buf))
         if not chunk:
-            return None  # EOF: the pool closed us
+            return None
         buf += chunk
     return bytes(buf)
 
