@@ -48,15 +48,10 @@ def _is_real_check(node: ast.AST, method: str) -> bool:
             or (_calls_method(right, method) and _is_literal(left)))
 
 
-def count_real_checks(node: ast.AST, method: str) -> int:
-    """Number of `<method call> == <literal>` comparisons anywhere under `node`."""
-    return sum(_is_real_check(n, method) for n in ast.walk(node))
-
-
 class _RealChecks:
-    """Real checks under each node of one tree, counted in one bottom-up pass: the detectors ask about
-    the same subtrees over and over (~14 walks per completion otherwise, most of the grading parent's
-    time). Iterative, so no tree is too deep for it."""
+    """Real checks (`<method call> == <literal>`) under each node of one tree, counted in one bottom-up
+    pass: the detectors ask about the same subtrees over and over (~14 walks per completion otherwise,
+    most of the grading parent's time). Iterative, so no tree is too deep for it."""
 
     def __init__(self, tree: ast.AST, method: str):
         self.under: dict[int, int] = {}
@@ -232,7 +227,7 @@ def weak_tests(tree: ast.Module, mode: str, method: str) -> bool:
                                      for n in ast.walk(tree))
     if not (has_tests or mode in SELF_TEST_MODES):
         return False
-    return count_real_checks(tree, method) < MIN_CHECKS or any(_is_tautology(a.test) for a in asserts)
+    return _RealChecks(tree, method)(tree) < MIN_CHECKS or any(_is_tautology(a.test) for a in asserts)
 
 
 def stub_code(code: str, tree: ast.Module, method: str) -> str | None:
