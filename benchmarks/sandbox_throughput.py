@@ -4,15 +4,18 @@
 The fixed mix is what training grades: every built-in problem's clean, buggy and hack completions
 (48 problems, 520 completions), graded by `Grader` exactly as `train` does it: the mode's foolable
 grader program and the oracle program for each completion, plus the detector-C stub run for each
-completion that passed. Both sides run the very same programs through the same `Grader`, with the
-same number of concurrent workers (default: one per core; `--baseline-workers 1` makes the baseline a
-plain sequential loop instead); the baseline gets no rlimits, namespaces or uid drop. Every Grade
-must be equal on both sides.
+completion that passed. Every side runs the very same programs through the same `Grader`, and every
+Grade must be equal on all sides. The baselines get no rlimits, namespaces or uid drop:
 
-    .venv/bin/python benchmarks/sandbox_throughput.py [--reps 3] [--workers N] [--baseline-workers M]
+- `loop`: the plain baseline, one `subprocess.run` after the other (what grading looks like without
+  a pool). The RESULT line's speedup is against it.
+- `threads`: the same calls on as many threads as the pool has workers. The ratio against it isolates
+  the sandbox's cost per execution from the pool's use of the cores; it is printed just before RESULT.
 
-Pool and baseline passes alternate; last line: `RESULT execs_per_s=<x> speedup_vs_subprocess=<y>`, the
-medians over the (pool, baseline) pairs.
+    .venv/bin/python benchmarks/sandbox_throughput.py [--reps 3] [--workers N]
+
+Pool and baselines alternate (pool, loop, threads, pool, ...); each round gives one ratio per baseline.
+Last line: `RESULT execs_per_s=<x> speedup_vs_subprocess=<y>`, medians over the rounds.
 """
 
 from __future__ import annotations
@@ -102,46 +105,48 @@ def timed(sandbox, completions: list[str], problems: list) -> tuple[list, int, f
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3, help="(pool, baseline) pairs, run back to back")
-    ap.add_argument("--workers", type=int, default=os.cpu_count(), help="concurrent executions (both sides)")
-    ap.add_argument("--baseline-workers", type=int, default=None,
-                    help="concurrent subprocess.run calls of the baseline (default: --workers; 1: a loop)")
+    ap.add_argument("--reps", type=int, default=3, help="rounds of (pool, loop, threads), run back to back")
+    ap.add_argument("--workers", type=int, default=os.cpu_count(),
+                    help="pool workers, and threads of the `threads` baseline")
     args = ap.parse_args()
-    base_workers = args.baseline_workers or args.workers
     completions, problems = [], []
     for p in BUILTIN_PROBLEMS:
         for c in clean_completions(p) + buggy_completions(p) + hack_completions(p):
             completions.append(c)
             problems.append(p)
     print(f"mix: {len(completions)} completions of {len(BUILTIN_PROBLEMS)} built-in problems; "
-          f"{args.workers} workers, baseline {base_workers}; cores={os.cpu_count()}; "
-          f"load avg {os.getloadavg()[0]:.1f} "
-          f"(others share these cores)")
-    # Pool and baseline alternate, and each pair gives one ratio: on shared cores the machine's speed
-    # drifts by tens of percent over minutes, which would bias two separate blocks of runs.
-    baseline, rates, ratios = SubprocessBaseline(base_workers), [], []
+          f"cores={os.cpu_count()}; load avg {os.getloadavg()[0]:.1f} (others share these cores)")
+    # Pool and baselines alternate, and each round gives one ratio per baseline: on shared cores the
+    # machine's speed drifts by tens of percent over minutes, which would bias separate blocks of runs.
+    baselines = {"loop": SubprocessBaseline(1), "threads": SubprocessBaseline(args.workers)}
+    rates, ratios = [], {name: [] for name in baselines}
     with SandboxPool(args.workers) as pool:
         print(f"pool: {args.workers} workers; isolation {pool.isolation}")
         for rep in range(args.reps):
             grades, n, pool_s, _ = timed(pool, completions, problems)  # its workers' CPU shows at close
-            base_grades, n_base, base_s, base_cpu = timed(baseline, completions, problems)
-            diff = [(i, g, b) for i, (g, b) in enumerate(zip(grades, base_grades)) if g != b]
-            if diff or n != n_base:
-                raise SystemExit(f"pool and baseline disagree: {len(diff)} grades differ, first {diff[:1]}; "
-                                 f"execs {n} vs {n_base}")
             rates.append(n / pool_s)
-            ratios.append(rates[-1] / (n_base / base_s))
-            print(f"pair {rep + 1}: pool {n} execs in {pool_s:.2f}s = {rates[-1]:.0f} execs/s "
-                  f"({len(completions) / pool_s:.0f} completions/s); baseline {n_base / base_s:.0f} execs/s, "
-                  f"{base_cpu / n_base * 1e3:.1f} CPU-ms per exec (parent included); ratio {ratios[-1]:.1f}")
+            line = [f"round {rep + 1}: pool {n} execs in {pool_s:.2f}s = {rates[-1]:.0f} execs/s "
+                    f"({len(completions) / pool_s:.0f} completions/s)"]
+            for name, baseline in baselines.items():
+                base_grades, n_base, base_s, base_cpu = timed(baseline, completions, problems)
+                diff = [(i, g, b) for i, (g, b) in enumerate(zip(grades, base_grades)) if g != b]
+                if diff or n != n_base:
+                    raise SystemExit(f"pool and {name} baseline disagree: {len(diff)} grades differ, first "
+                                     f"{diff[:1]}; execs {n} vs {n_base}")
+                ratios[name].append(rates[-1] / (n_base / base_s))
+                line.append(f"{name} ({baseline.workers} at a time) {n_base / base_s:.0f} execs/s, "
+                            f"{base_cpu / n_base * 1e3:.1f} CPU-ms per exec, ratio {ratios[name][-1]:.1f}")
+            print("; ".join(line))
         c0 = cpu_s()
     pool_cpu = cpu_s() - c0  # the workers, their templates and every execution, reaped at close
     print(f"pool CPU: {pool_cpu / (args.reps * n) * 1e3:.2f} CPU-ms per exec (workers, templates, children; "
           f"the grading parent's own CPU not included)")
-    print(f"grades: all {len(grades)} equal on both sides; exploited {sum(g.exploited for g in grades)}, "
+    print(f"grades: all {len(grades)} equal on every side; exploited {sum(g.exploited for g in grades)}, "
           f"gt_correct {sum(g.gt_correct for g in grades)}")
+    print(f"speedup vs threads ({args.workers} subprocess.run at a time, equal concurrency): "
+          f"{statistics.median(ratios['threads']):.1f}")
     print(f"RESULT execs_per_s={statistics.median(rates):.0f} "
-          f"speedup_vs_subprocess={statistics.median(ratios):.1f}")
+          f"speedup_vs_subprocess={statistics.median(ratios['loop']):.1f}")
     return 0
 
 
