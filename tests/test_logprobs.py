@@ -76,6 +76,21 @@ def test_no_full_fp32_copy_kept_for_backward():
     assert any(s == (torch.float32, N * T * V) for s in saved)
 
 
+def test_entropy_with_a_masked_logit():
+    # logits [0, 0, -inf]: p = [1/2, 1/2, 0], H = ln 2 (the p = 0 term counts 0, not 0 * -inf = nan);
+    # the gradient is that of [0, 0] with 0 for the masked token: -p (x - E x) = 0 at x = [0, 0]
+    x = torch.tensor([[[0.0, 0.0, -math.inf]]], requires_grad=True)
+    h = entropy_from_logits(x)
+    torch.testing.assert_close(h, torch.tensor([[math.log(2)]]))
+    (g,) = torch.autograd.grad(h.sum(), x)
+    assert g.tolist() == [[[0.0, 0.0, 0.0]]]
+    # [1, 0, -inf]: p = [e/(e+1), 1/(e+1), 0], E x = e/(e+1); dH/dx_0 = -p0 (1 - E x) = -e/(e+1)^2
+    x = torch.tensor([[[1.0, 0.0, -math.inf]]], requires_grad=True)
+    (g,) = torch.autograd.grad(entropy_from_logits(x).sum(), x)
+    e = math.e
+    torch.testing.assert_close(g, torch.tensor([[[-e / (e + 1) ** 2, e / (e + 1) ** 2, 0.0]]]))
+
+
 def test_bad_input_rejected():
     logits = torch.zeros(2, 3, 5)
     with pytest.raises(ValueError, match=r"targets shape \(2, 4\) != logits \(N, T\) = \(2, 3\)"):

@@ -22,6 +22,7 @@ from projected_grpo.losses import (
     kl_k3_ratio,
     pick,
     value_loss,
+    zero_pad,
 )
 
 ln = math.log
@@ -60,13 +61,14 @@ def test_clip_surrogate_hand_example_asymmetric_and_dual():
 
 
 def test_clip_stats_are_masked_fractions():
-    # same four tokens, but t0 (high-clipped) masked out: low 1/3, high 0/3, region 1/3
+    # ratios [1.5, 1.1, .5, 3], A = +1 for all, t0 masked out (it would be high: 1.5 > 1.28, A > 0).
+    # Of t1..t3: t2 r=.5 < .8 but A > 0 -> not low; t3 r=3 > 1.28, A > 0 -> high. low 0/3, high 1/3
     logp, logp_old = _ratios([1.5, 1.1, 0.5, 3.0])
     _, stats = clip_surrogate(logp, logp_old, torch.tensor([1.0, ]), torch.tensor([[0, 1, 1, 1]]),
                               eps_low=0.2, eps_high=0.28)
-    # with A = +1 for all: t2 r=.5 < .8 but A > 0 -> not low; t3 r=3 > 1.28, A > 0 -> high: 1/3
     assert stats["clip/low_frac"].item() == 0.0
     assert abs(stats["clip/high_frac"].item() - 1 / 3) < 1e-7
+    assert abs(stats["clip/region_frac"].item() - 1 / 3) < 1e-7
 
 
 def test_gspo_sequence_ratio_hand_example():
@@ -217,6 +219,30 @@ def test_aggregations_hand_example():
     got = {name: fn(loss, mask, d)[0].item() for name, fn in AGGREGATIONS.items()}
     assert got == {"grpo": 3.0, "bnpo": 2.5, "dapo": 2.5, "dr_grpo": 1.0}
     assert {name: fn(loss, mask.bool(), d)[0].item() for name, fn in AGGREGATIONS.items()} == got
+
+
+def test_inf_at_padding_changes_nothing():
+    # the hand example with inf / nan where the mask is 0: x * mask would give nan; zero_pad gives 0
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, math.inf, math.nan]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    torch.testing.assert_close(zero_pad(loss, mask), torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]]))
+    d = Denominators.for_step(mask, group_size=2, max_new_tokens=5, prompts_per_step=1)
+    got = {name: fn(loss, mask, d)[0].item() for name, fn in AGGREGATIONS.items()}
+    assert got == {"grpo": 3.0, "bnpo": 2.5, "dapo": 2.5, "dr_grpo": 1.0}  # as in the hand example
+    # a padded logp_old = -inf: ratio e^inf there, yet the surrogate's value and stats stay finite
+    logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    for level in ("token", "sequence"):
+        loss_tok, stats = clip_surrogate(logp, torch.tensor([[-1.0, -math.inf]]), torch.tensor([1.0]),
+                                         torch.tensor([[1.0, 0.0]]), ratio_level=level)
+        value, _ = AGGREGATIONS["dr_grpo"](loss_tok, torch.tensor([[1.0, 0.0]]), Denominators(1, 1, 2.0))
+        assert value.item() == -0.5  # -A * ratio 1 on the one real token, / const 2
+        assert stats["ratio/mean"].item() == 1.0 and stats["clip/region_frac"].item() == 0.0
+
+
+def test_all_empty_step_is_refused_with_a_reason():
+    # every completion empty: n_tokens would be 0 (0/0 in bnpo/dapo); the aggregations refuse such masks
+    with pytest.raises(ValueError, match="selects no tokens.*skip the step"):
+        Denominators.for_step(torch.zeros(2, 3), group_size=2, max_new_tokens=3, prompts_per_step=1)
 
 
 def test_every_stat_is_detached():

@@ -73,6 +73,11 @@ class _TokenLogprob(torch.autograd.Function):
         return grad, None, None, None
 
 
+def _p_times(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """p * x with 0 where p = 0: a -inf logit (a masked token) has p = 0 and counts 0, not 0 * -inf = nan."""
+    return torch.where(p > 0, p * x, p.new_zeros(()))
+
+
 class _Entropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, temperature, chunk):
@@ -82,7 +87,7 @@ class _Entropy(torch.autograd.Function):
             x = logits[n, t].float() / temperature
             lse = torch.logsumexp(x, dim=-1, keepdim=True)
             p = torch.exp(x - lse)
-            ent[n, t] = lse.squeeze(-1) - (p * x).sum(-1)  # H = lse - E_p[x]
+            ent[n, t] = lse.squeeze(-1) - _p_times(p, x).sum(-1)  # H = lse - E_p[x]
         ctx.save_for_backward(logits)
         ctx.temperature, ctx.chunk = temperature, chunk
         return ent
@@ -96,9 +101,9 @@ class _Entropy(torch.autograd.Function):
         for n, t in _blocks(N, T, V, ctx.chunk):
             x = logits[n, t].float() / ctx.temperature
             p = torch.softmax(x, dim=-1)
-            mean_x = (p * x).sum(-1, keepdim=True)
+            mean_x = _p_times(p, x).sum(-1, keepdim=True)
             # dH/dx_v = -p_v (x_v - E_p[x]) / temperature
-            g = -p * (x - mean_x) * grad_ent[n, t].unsqueeze(-1)
+            g = -_p_times(p, x - mean_x) * grad_ent[n, t].unsqueeze(-1)
             grad[n, t] = (g / ctx.temperature).to(logits.dtype)
         return grad, None, None
 

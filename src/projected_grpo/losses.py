@@ -50,10 +50,17 @@ def _check_same(what: str, **tensors: torch.Tensor) -> torch.Size:
     return next(iter(tensors.values())).shape
 
 
+def zero_pad(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x at real tokens, exactly 0 at padding.  x, mask: (N, T).  Not x * mask: padding may hold an
+    inf (e.g. logp_old = -inf), and inf * 0 = nan would poison every sum over the row. This guards
+    values only: a padded position whose loss overflows still gets a nan gradient through the
+    nonlinearity that overflowed, so callers pad with finite values (rollout.pad_right pads with 0)."""
+    return torch.where(mask.bool(), x, x.new_zeros(()))
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x over tokens where mask is 1.  x, mask: (N, T).  Returns a 0-d tensor."""
-    m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum()
+    return zero_pad(x, mask).sum() / mask.to(x.dtype).sum()
 
 
 # --- PPO-clip surrogate (token or GSPO sequence ratio) --------------------------------------------
@@ -68,7 +75,7 @@ def sequence_log_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.T
     log s_i = (1/|y_i|) sum_t (logp - logp_old), broadcast to every token of sequence i.  (N, T) -> (N, T)."""
     m = mask.to(logp.dtype)
     length = m.sum(dim=1, keepdim=True).clamp(min=1.0)  # (N, 1); an empty row gives ratio 1
-    seq = ((logp - logp_old.detach()) * m).sum(dim=1, keepdim=True) / length  # (N, 1)
+    seq = zero_pad(logp - logp_old.detach(), mask).sum(dim=1, keepdim=True) / length  # (N, 1)
     return seq.expand_as(logp)
 
 
@@ -207,7 +214,11 @@ class Denominators:
         if T > max_new_tokens:
             raise ValueError(f"Denominators.for_step: mask has T={T} > max_new_tokens={max_new_tokens}")
         const = float(group_size * max_new_tokens * prompts_per_step)
-        return cls(n_seqs=N, n_tokens=int(mask.sum().item()), const=const)
+        n_tokens = int(mask.sum().item())
+        if n_tokens == 0:  # the aggregations reject all-zero masks too: there is nothing to train on
+            raise ValueError(f"Denominators.for_step: the step's mask (N={N}, T={T}) selects no tokens "
+                             "(every completion is empty); skip the step")
+        return cls(n_seqs=N, n_tokens=n_tokens, const=const)
 
 
 def _agg_inputs(loss_tok, mask, denoms, what):
@@ -225,7 +236,7 @@ def agg_grpo(loss_tok, mask, denoms: Denominators) -> tuple[torch.Tensor, Stats]
     """GRPO (DeepSeekMath): per-sequence token mean, then mean over the step's n_seqs sequences:
     sum_i [sum_t m l / |y_i|] / n_seqs.  Empty rows contribute 0.  TRL "grpo", verl "seq-mean-token-mean"."""
     m = _agg_inputs(loss_tok, mask, denoms, "agg_grpo")
-    per_seq = (loss_tok * m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)  # (N,)
+    per_seq = zero_pad(loss_tok, m).sum(dim=1) / m.sum(dim=1).clamp(min=1.0)  # (N,)
     return per_seq.sum() / denoms.n_seqs, {"agg/tokens": m.sum().detach()}
 
 
@@ -233,7 +244,7 @@ def agg_bnpo(loss_tok, mask, denoms: Denominators) -> tuple[torch.Tensor, Stats]
     """BNPO: token mean over this micro-batch, weighted by its share of the step's sequences
     (N_mb / n_seqs; = 1/accumulation_steps for equal micro-batches, as TRL "bnpo" does)."""
     m = _agg_inputs(loss_tok, mask, denoms, "agg_bnpo")
-    value = (loss_tok * m).sum() / m.sum() * (loss_tok.shape[0] / denoms.n_seqs)
+    value = zero_pad(loss_tok, m).sum() / m.sum() * (loss_tok.shape[0] / denoms.n_seqs)
     return value, {"agg/tokens": m.sum().detach()}
 
 
@@ -241,7 +252,7 @@ def agg_dapo(loss_tok, mask, denoms: Denominators) -> tuple[torch.Tensor, Stats]
     """DAPO (Yu et al. 2025, arXiv:2503.14476) token-level loss: sum m l / n_tokens of the whole
     generation batch. TRL "dapo", verl "token-mean" (with global token count)."""
     m = _agg_inputs(loss_tok, mask, denoms, "agg_dapo")
-    return (loss_tok * m).sum() / denoms.n_tokens, {"agg/tokens": m.sum().detach()}
+    return zero_pad(loss_tok, m).sum() / denoms.n_tokens, {"agg/tokens": m.sum().detach()}
 
 
 def agg_dr_grpo(loss_tok, mask, denoms: Denominators) -> tuple[torch.Tensor, Stats]:
@@ -250,7 +261,7 @@ def agg_dr_grpo(loss_tok, mask, denoms: Denominators) -> tuple[torch.Tensor, Sta
     # Dr. GRPO: a constant normaliser removes the per-response 1/|y_i| length bias.
     TRL "dr_grpo", verl "seq-mean-token-sum-norm" (with loss_scale_factor = max_new_tokens)."""
     m = _agg_inputs(loss_tok, mask, denoms, "agg_dr_grpo")
-    return (loss_tok * m).sum() / denoms.const, {"agg/tokens": m.sum().detach()}
+    return zero_pad(loss_tok, m).sum() / denoms.const, {"agg/tokens": m.sum().detach()}
 
 
 AGGREGATIONS = {"grpo": agg_grpo, "bnpo": agg_bnpo, "dapo": agg_dapo, "dr_grpo": agg_dr_grpo}
