@@ -246,6 +246,23 @@ def test_update_mode_with_adamw(arm, tmp_path):
         assert stats["proj/cout_update"].item() < 1e-5
 
 
+def test_update_mode_route_with_preserve_magnitude_quarantines_only_span_v(tmp_path):
+    # preserve_magnitude rescales the kept update Δ' to ‖Δ‖, so Δ − Δ' is no longer the removed part:
+    # the quarantine must get the removed, hack-ward motion alone, which lies in span(V)
+    knobs, V_hack = wrapped(tmp_path)
+    opt = torch.optim.AdamW(knobs.parameters(), lr=1e-2, weight_decay=0.0)
+    before = snapshot(knobs)
+    opt.step()
+    raw = {n: knobs.values()[n] - before[n] for n in before}
+    project_update(knobs, before, V_hack, "route", preserve_magnitude=True)
+    for n in V_hack:
+        hack, V = knobs.values("hack")[n], V_hack[n]
+        assert hack.norm() > 0
+        torch.testing.assert_close(V.T @ (V @ hack), hack, atol=1e-7, rtol=0)  # inside span(V)
+        kept = knobs.values()[n] - before[n]
+        torch.testing.assert_close(kept.norm(), raw[n].norm())  # magnitude preserved
+
+
 def test_purge_moments_removes_hackward_exp_avg_only(tmp_path):
     knobs, V_hack = wrapped(tmp_path)
     opt = torch.optim.AdamW(knobs.parameters(), lr=1e-2)

@@ -147,8 +147,8 @@ def project_update(knobs, before: dict[str, torch.Tensor], V_hack: dict[str, tor
 
     Sign: V points hack-ward in *gradient* space and the optimizer descends, so the hack-ward part of
     an update Δ is the V-component of −Δ; we project u = −Δ with `project` and write Δ' = −u_proj.
-    arm none: measure only; erase: knob = before + Δ'; route: also quarantine knob += Δ − Δ' (the
-    removed, hack-ward motion). Returns proj/cin_update, proj/cout_update (hack-ward fraction
+    arm none: measure only; erase: knob = before + Δ'; route: also quarantine knob += −removed (the
+    removed, hack-ward motion, in span(V); = Δ − Δ' unless preserve_magnitude rescales Δ'). Returns proj/cin_update, proj/cout_update (hack-ward fraction
     ‖relu(V·(−Δ'))‖/‖Δ'‖ of the update that stays, = cin_update under none), proj/fired_frac_update.
     Call with arm="none" when only gradient projection is on, so cout_update is logged in every mode.
     """
@@ -165,8 +165,8 @@ def project_update(knobs, before: dict[str, torch.Tensor], V_hack: dict[str, tor
             st = {**st, "out_sq": st["in_sq"], "gp_sq": st["g_sq"]}
         else:
             new = before[name].float() - u_proj
-            if arm == "route":
-                hack[name].add_((after[name].float() - new).to(hack[name]))
+            if arm == "route":  # the removed motion itself (= Δ − Δ' unless preserve_magnitude rescaled Δ')
+                hack[name].add_((-removed_u).to(hack[name]))
             after[name].copy_(new.to(after[name]))
         per_module.append(st)
     return _aggregate(per_module, len(knobs.modules), "proj/", "_update")
