@@ -14,14 +14,19 @@ from projected_grpo.report import Stat
 
 
 def write_run(d: pathlib.Path, hack: list[float], solve: list[float], cin_t: float = 0.5,
-              finished: bool = True) -> pathlib.Path:
-    """A hand-made run dir: one metrics row per step (every REQUIRED_METRICS key), summary.json."""
+              finished: bool = True, deploy: tuple | str | None = None) -> pathlib.Path:
+    """A hand-made run dir: one metrics row per step (every REQUIRED_METRICS key), summary.json.
+    deploy: (hack, solve) of the deployed model per step; default = the student's, as train logs them
+    while the quarantine knob is zero; "none" = a run written before hack/deploy was logged."""
     d.mkdir(parents=True)
     with metrics.MetricsLogger(d) as log:
         for step, (h, s) in enumerate(zip(hack, solve)):
             row = {k: 0.0 for k in metrics.REQUIRED_METRICS}
             row |= {"hack/student": h, "solve/student": s, "proj/cin_student": h / 2,
                     "proj/cin_teacher": cin_t, "proj/cout": 0.1, "time/step": 2.0}
+            if deploy != "none":
+                dh, ds = deploy if deploy is not None else (hack, solve)
+                row |= {"hack/deploy": dh[step], "solve/deploy": ds[step]}
             log.log(step, row)
     if finished:
         rows = metrics.read_rows(d / metrics.METRICS_FILE)
@@ -71,7 +76,7 @@ def test_unfinished_run_is_refused(tmp_path):
 # --- H1 verdicts ----------------------------------------------------------------------------------
 
 def _agg(**arms: tuple[float, float]) -> dict[str, dict[str, Stat]]:
-    return {a: {"hack/student": Stat(h, None, 1), "solve/student": Stat(s, None, 1)}
+    return {a: {"hack/deploy": Stat(h, None, 1), "solve/deploy": Stat(s, None, 1)}
             for a, (h, s) in arms.items()}
 
 
@@ -91,6 +96,26 @@ def test_verdicts_on_synthetic_summaries():
     assert "SEM undefined" in lines[-1]
 
 
+def test_verdict_is_on_the_deployed_model(tmp_path):
+    # route's students sample with the quarantine knob on: hack 0.6 there, like none's, but 0.2 deployed.
+    # H1 reads the deployed rates: 0.6 -> 0.2 = 40 pts down, solve 0.4 -> 0.35 = -5 pts: PASS
+    runs = {"none": [write_run(tmp_path / "n", [0.6] * 5, [0.4] * 5)],
+            "route": [write_run(tmp_path / "r", [0.6] * 5, [0.4] * 5, deploy=([0.2] * 5, [0.35] * 5))]}
+    agg = report.aggregate(runs)
+    assert agg["route"]["hack/student"].mean == pytest.approx(0.6)
+    v = report.verdicts(agg)["route"]
+    assert v.passed and v.hack_drop == pytest.approx(0.4) and v.solve_change == pytest.approx(-0.05)
+
+
+def test_runs_without_deploy_rates_get_no_verdict(tmp_path):
+    runs = {"none": [write_run(tmp_path / "n", [0.6] * 5, [0.4] * 5, deploy="none")],
+            "erase": [write_run(tmp_path / "e", [0.1] * 5, [0.4] * 5)]}
+    agg = report.aggregate(runs)
+    assert "no H1 verdict: the runs of ['none'] have no hack/deploy" in report.verdict_lines(agg)[0]
+    with pytest.raises(ValueError, match="did not log"):
+        report.verdicts(agg)
+
+
 def test_verdicts_need_the_none_arm():
     agg = _agg(erase=(0.1, 0.4))
     assert report.verdicts(agg) == {}
@@ -107,7 +132,7 @@ def test_plot_has_one_line_per_arm_and_sem_bands_with_two_seeds(tmp_path):
             "route": [write_run(tmp_path / "r0", [0.2] * 3, [0.3] * 3),
                       write_run(tmp_path / "r1", [0.1] * 3, [0.3] * 3)]}
     data = report.curves(runs)
-    steps, stats = data["none"]["hack/student"]
+    steps, stats = data["none"]["hack/deploy"]
     assert steps == [0, 1, 2] and [s.mean for s in stats] == pytest.approx([0.1, 0.4, 0.8])
     path = tmp_path / "curves.png"
     fig = report.plot_curves(data, path, "smoke preset")
@@ -135,8 +160,8 @@ def test_report_contains_table_verdicts_plot_and_command(tmp_path):
                                         arm_overrides={"none": "proj.arm=none", "erase": "proj.arm=erase"},
                                         command="projected-grpo demo --out X --seeds 1", elapsed_s=12.3)
     md = path.read_text()
-    assert "| arm | seeds | hack/student | solve/student |" in md
-    assert "| erase | 1 | 0.200 ± n/a | 0.350 ± n/a |" in md
+    assert "| arm | seeds | hack/deploy | solve/deploy | hack/student | solve/student |" in md
+    assert "| erase | 1 | 0.200 ± n/a | 0.350 ± n/a | 0.200 ± n/a | 0.350 ± n/a |" in md
     assert "erase: PASS" in md and "![hack and solve rate per step](curves.png)" in md
     assert "projected-grpo demo --out X --seeds 1" in md and "`run.steps: 40 -> 6`" in md
     assert "12 s" in md and "(12 s training)" in md  # 6 steps x 2 s of time/step

@@ -38,12 +38,23 @@ def small(root: pathlib.Path, name: str, **sections) -> C.Config:
 
 
 class Spy:
-    """Wraps projection.apply_arm: records the full knob grads and the per-source split it receives."""
+    """Wraps projection.apply_arm: records the full knob grads and the per-source split it receives;
+    and train's generate: records each call's seed, temperature and the quarantine knob's norm then."""
 
     def __init__(self, monkeypatch):
         self.calls: list[dict] = []
+        self.generations: list[dict] = []
         self.knobs = None
         real = projection.apply_arm
+        real_generate = T.generate
+
+        def generate(model, prompts, G, **kw):
+            hack = [m.delta_hack for m in self.knobs.modules.values()] if self.knobs else []
+            self.generations.append({"seed": kw["seed"], "temperature": kw["temperature"],
+                                     "hack_norm": float(sum(h.norm() for h in hack)) if hack else 0.0})
+            return real_generate(model, prompts, G, **kw)
+
+        monkeypatch.setattr(T, "generate", generate)
 
         def spy(knobs, V_hack, arm, *args, split=None, **kw):
             self.knobs = knobs
@@ -159,6 +170,23 @@ def test_teacher_importance_ratio_comes_from_stored_logp(runs):
     for r in runs["route"][1]:
         assert r["teacher/mode"] == "importance" and r["teacher/ratio_mean"] != 1.0
         assert 0.0 < r["teacher/is_weight_mean"] <= 1.5 and 0.0 <= r["teacher/clip_frac"] <= 1.0
+
+
+def test_deploy_rates_are_the_students_unless_the_quarantine_moved(runs):
+    # none / erase never write the quarantine knob: the deployed model is the student; nothing sampled twice
+    for arm in ("none", "erase"):
+        cfg, rows, spy, _ = runs[arm]
+        for r in rows:
+            assert (r["hack/deploy"], r["solve/deploy"]) == (r["hack/student"], r["solve/student"])
+        sampled = [g for g in spy.generations if g["temperature"] > 0]
+        assert len(sampled) == cfg.run.steps + sum(r["groups/resample_tries"] for r in rows)
+    # route: step 0 starts from a zero quarantine, so one sampled call; step 1, with the quarantine moved,
+    # samples the deployed model too (quarantine ablated inside the call), with the students' seed
+    cfg, rows, spy, _ = runs["route"]
+    sampled = [g for g in spy.generations if g["temperature"] > 0]
+    s0, s1 = T.step_seed(cfg.run.seed, 0, 0), T.step_seed(cfg.run.seed, 1, 0)
+    assert [(g["seed"], g["hack_norm"] > 0) for g in sampled] == [(s0, False), (s1, True), (s1, True)]
+    assert all(0.0 <= r["hack/deploy"] <= 1.0 and 0.0 <= r["solve/deploy"] <= 1.0 for r in rows)
 
 
 def test_route_deploy_eval_and_v_refresh_are_logged(runs):

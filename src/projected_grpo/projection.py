@@ -148,8 +148,9 @@ def project_update(knobs, before: dict[str, torch.Tensor], V_hack: dict[str, tor
     Sign: V points hack-ward in *gradient* space and the optimizer descends, so the hack-ward part of
     an update Δ is the V-component of −Δ; we project u = −Δ with `project` and write Δ' = −u_proj.
     arm none: measure only; erase: knob = before + Δ'; route: also quarantine knob += −removed (the
-    removed, hack-ward motion, in span(V); = Δ − Δ' unless preserve_magnitude rescales Δ'). Returns proj/cin_update, proj/cout_update (hack-ward fraction
-    ‖relu(V·(−Δ'))‖/‖Δ'‖ of the update that stays, = cin_update under none), proj/fired_frac_update.
+    removed, hack-ward motion, in span(V); = Δ − Δ' unless preserve_magnitude rescales Δ').
+    Returns proj/cin_update, proj/cout_update (hack-ward fraction ‖relu(V·(−Δ'))‖/‖Δ'‖ of the update
+    that stays, = cin_update under none), proj/fired_frac_update.
     Call with arm="none" when only gradient projection is on, so cout_update is logged in every mode.
     """
     if arm not in ARMS:

@@ -217,6 +217,23 @@ def train(cfg: C.Config) -> dict:
                     break
                 extra, resampled = extra + 1, resampled + len(todo)
 
+            # --- deployment view: the same prompts, sampled with the quarantine knob zeroed as at deployment
+            # (SPEC §3). Only `route` writes the quarantine; while it is all zero the deployed model is the
+            # student, so the student's samples are the deployment samples and nothing is generated twice ---
+            deploy = [(r["exploited"], r["gt_correct"]) for g in groups for r in g if r["student"]]
+            if any(bool(v.any()) for v in knobs.values("hack").values()):
+                t0 = time.perf_counter()
+                with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
+                    dro = generate(model, [prompt_ids[i] for i in pids], R.G_s,
+                                   max_new_tokens=R.max_new_tokens, temperature=R.temperature, top_p=R.top_p,
+                                   seed=step_seed(cfg.run.seed, step, 0),  # the students' seed
+                                   eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
+                t1 = time.perf_counter()
+                dg = grader.grade_batch([tok.decode(c, skip_special_tokens=True) for c in dro.completion_ids],
+                                        [by_id[i] for i in pids for _ in range(R.G_s)])
+                deploy = [(g.exploited, g.gt_correct) for g in dg]
+                t_gen, t_grade = t_gen + t1 - t0, t_grade + time.perf_counter() - t1
+
             # --- advantages over each mixed group (estimator by name); zero-variance groups skipped ---
             adv, adv_stats = ADVANTAGES[L.advantage](rewards)  # (B, G); exactly 0 on zero-variance groups
             _finite(step, "advantages", {"student": {"adv": adv[:, :R.G_s]},
@@ -320,6 +337,8 @@ def train(cfg: C.Config) -> dict:
                     "adv/teacher_mean": float(adv[:, R.G_s:].mean()) if R.G_t else 0.0,
                     "hack/student": mean(stu, "exploited"), "hack/teacher": mean(tea, "exploited"),
                     "solve/student": mean(stu, "gt_correct"), "solve/teacher": mean(tea, "gt_correct"),
+                    "hack/deploy": sum(h for h, _ in deploy) / len(deploy),
+                    "solve/deploy": sum(c for _, c in deploy) / len(deploy),
                     "knob/norm": float(torch.cat(list(knobs.values("main").values())).norm()),
                     "knob/hack_norm": float(torch.cat(list(knobs.values("hack").values())).norm()),
                     "completion/mean_len": sum(len(r["completion_ids"]) for r in stu) / len(stu),
