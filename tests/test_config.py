@@ -127,6 +127,31 @@ def test_unknown_key_in_config_file_is_named(tmp_path):
         C.Config.from_dict(d, where="x.json")
 
 
+@pytest.mark.parametrize("text, message", [
+    ('{"run": {"steps": 2,}}', r"c\.json: not valid JSON: Expecting property name"),
+    ('[1, 2]', r"c\.json: expected a JSON object of sections, got list"),
+    ('{"run": {"steps": "two"}}', r"c\.json: run\.steps: expected int, got 'two'"),
+    ('{"run": {"steps": 2.5}}', r"run\.steps: expected int, got 2\.5"),
+    ('{"optim": {"lr": "0.1"}}', r"optim\.lr: expected float, got '0\.1'"),
+    ('{"optim": {"betas": [0.9]}}', r"optim\.betas: expected tuple\[float, float\], got \(0\.9,\)"),
+    ('{"run": {"tensorboard": 1}}', r"run\.tensorboard: expected bool, got 1"),
+    ('{"loss": {"zero_var": "nope"}}', r"loss\.zero_var: expected one of 'skip', 'resample', got 'nope'"),
+    ('{"run": {"steps": -1}}', r"c\.json: .*steps=-1 must be > 0"),
+])
+def test_config_file_errors_name_the_file_and_field(tmp_path, text, message):
+    p = tmp_path / "c.json"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        C.Config.from_json(str(p))
+
+
+def test_config_file_takes_json_numbers_as_floats(tmp_path):
+    p = tmp_path / "c.json"  # JSON writes 1.0 as 1: an int is a valid float
+    p.write_text('{"rollout": {"temperature": 1}, "optim": {"lr": 1}}')
+    cfg = C.Config.from_json(str(p))
+    assert cfg.rollout.temperature == 1 and cfg.optim.lr == 1
+
+
 def test_cli_shorthands_overrides_and_config_file(tmp_path):
     cfg = parse_args(["--preset", "fast", "--arm", "route", "--model", "/models/q", "--run-dir", "r1",
                       "--resume", "--rollout.group-size", "6", "--loss.teacher", "exclude"])

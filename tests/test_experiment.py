@@ -201,12 +201,27 @@ def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):
     assert called == [(str(runs[1].dir), True), (str(runs[2].dir), False)]
 
 
-def test_finished_run_with_another_config_is_refused(tmp_path):
+@pytest.mark.parametrize("finished", [True, False])
+def test_run_with_another_config_is_refused(tmp_path, finished):
     (run,) = experiment.plan(presets.PRESETS["smoke"], ["none"], [0], tmp_path)
-    write_run(run.dir, [0.1], [0.1])
+    write_run(run.dir, [0.1], [0.1], finished=finished)
     metrics.write_json_atomic(run.dir / "config.json", C.replace(run.cfg, run={"steps": 99}).to_dict())
-    with pytest.raises(ValueError, match="run.steps: 99 -> 4"):
-        experiment.run_all([run], log=lambda m: None)
+    state = "finished" if finished else "started"
+    with pytest.raises(ValueError, match=f"{state} with another config .*run.steps: 99 -> 4"):
+        experiment._check_existing([run])
+
+
+def test_refused_sweep_writes_nothing(tmp_path, monkeypatch):
+    # the check runs before sweep.json is written: a refused re-run leaves the old sweep's record alone
+    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))
+    smoke = C.replace(presets.PRESETS["smoke"], env={"max_problems": 6})
+    planned = C.replace(smoke, pool={"path": str(tmp_path / "pool.jsonl")})  # as sweep() plans it
+    (run,) = experiment.plan(planned, ["none"], [0], tmp_path)
+    write_run(run.dir, [0.1], [0.1])
+    metrics.write_json_atomic(run.dir / "config.json", C.replace(run.cfg, optim={"lr": 0.5}).to_dict())
+    with pytest.raises(ValueError, match="finished with another config"):
+        experiment.sweep(smoke, ["none"], [0], tmp_path, preset="smoke", command="x", log=lambda m: None)
+    assert not (tmp_path / "sweep.json").exists()
 
 
 def test_cli_rejects_bad_options(capsys):

@@ -282,6 +282,28 @@ def test_resume_with_changed_config_is_refused(runs):
         T.train(cfg)
 
 
+def test_reward_means_agree_under_the_gt_penalty(runs, tmp_path):
+    # reward/mean is over all B·G rows, so it is the G_s : G_t weighted mean of the two source means; with
+    # a hack penalty all three must be the penalised rewards (the smoke pool's teacher hacks are penalised)
+    cfg = C.replace(runs["erase"][0], env={"hack_penalty": 1.0}, run={"dir": str(tmp_path / "pen")})
+    T.train(cfg)
+    rows = metrics.read_rows(tmp_path / "pen" / "metrics.jsonl")
+    assert any(r["hack/teacher"] > 0 for r in rows)
+    R = cfg.rollout
+    for r in rows + [r for _, rs, _, _ in runs.values() for r in rs]:
+        mixed = (R.G_s * r["reward/student_mean"] + R.G_t * r["reward/teacher_mean"]) / R.group_size
+        assert r["reward/mean"] == pytest.approx(mixed, abs=1e-6)
+
+
+def test_moved_run_dir_resumes_and_a_longer_run_says_the_schedule_moved(runs, tmp_path, capsys):
+    moved = tmp_path / "moved"
+    shutil.copytree(runs["erase"][0].run.dir, moved)
+    cfg = C.replace(runs["erase"][0], run={"resume": True, "dir": str(moved), "steps": 3})
+    T.train(cfg)
+    assert [r["step"] for r in metrics.read_rows(moved / "metrics.jsonl")] == [0, 1, 2]
+    assert "run.steps 2 -> 3: the cosine LR schedule now spans 3 steps" in capsys.readouterr().err
+
+
 # --- SIGKILL between checkpoints, then --resume == an uninterrupted run ------------------------------
 
 def _cli(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str) -> list[str]:

@@ -339,13 +339,50 @@ class Config:
             if bad:
                 raise ValueError(f"{where}: unknown field(s) {sorted(f'{name}.{b}' for b in bad)}; "
                                  f"known: {sorted(sec_hints)}")
-            kwargs[name] = sec_cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in sub.items()})
+            values = {k: tuple(v) if isinstance(v, list) else v for k, v in sub.items()}
+            for k, v in values.items():
+                if not _fits(v, sec_hints[k]):
+                    raise ValueError(f"{where}: {name}.{k}: expected {_type_name(sec_hints[k])}, got {v!r}")
+            try:
+                kwargs[name] = sec_cls(**values)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from e
         return cls(**kwargs)
 
     @classmethod
     def from_json(cls, path: str) -> Config:
         with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f), where=path)
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object of sections, got {type(data).__name__}")
+        return cls.from_dict(data, where=path)
+
+
+def _fits(value: object, hint: object) -> bool:
+    """Whether a JSON value fits a config field's type (int, float, str, bool, Literal, tuple)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return value in args
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_fits(v, a) for v, a in zip(value, args))
+    if hint is float:  # JSON writes 1.0 as 1
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint) if isinstance(hint, type) else True
+
+
+def _type_name(hint: object) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
+    return getattr(hint, "__name__", None) if isinstance(hint, type) else str(hint)
 
 
 def replace(cfg: Config, **sections: dict) -> Config:

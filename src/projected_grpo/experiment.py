@@ -175,13 +175,18 @@ def write_mined_pairs(rows: Sequence[dict], known: Sequence[str], per_problem: i
 
 # --- running ------------------------------------------------------------------------------------------------
 
-def _check_finished(run: Run) -> None:
-    """A finished run is reused only when it was trained with the planned config."""
-    done = C.Config.from_json(str(run.dir / "config.json"))
-    diff = C.diff(done, run.cfg, ignore=("run.resume",))
-    if diff:
-        raise ValueError(f"{run.dir} finished with another config than this sweep plans ({diff}); "
-                         "use another --out or remove that run directory")
+def _check_existing(runs: Sequence[Run]) -> None:
+    """A run directory already there (finished or interrupted) is reused only when it was trained with
+    the planned config; checked for every run before the sweep writes or trains anything."""
+    for run in runs:
+        if not (run.dir / "config.json").is_file():
+            continue
+        done = C.Config.from_json(str(run.dir / "config.json"))
+        diff = C.diff(done, run.cfg, ignore=("run.resume",))
+        if diff:
+            state = "finished" if (run.dir / metrics.SUMMARY_FILE).exists() else "started"
+            raise ValueError(f"{run.dir} {state} with another config than this sweep plans ({diff}); "
+                             "use another --out or remove that run directory")
 
 
 def run_all(runs: Sequence[Run], log: Log) -> dict[str, int]:
@@ -191,8 +196,7 @@ def run_all(runs: Sequence[Run], log: Log) -> dict[str, int]:
     counts = {"trained": 0, "resumed": 0, "skipped": 0}
     for i, run in enumerate(runs, 1):
         head = f"[run {i}/{len(runs)}] arm {run.arm}, seed {run.seed} -> {run.dir}"
-        if (run.dir / metrics.SUMMARY_FILE).exists():
-            _check_finished(run)
+        if (run.dir / metrics.SUMMARY_FILE).exists():  # its config was checked by _check_existing
             log(f"{head}: skipped, {metrics.SUMMARY_FILE} exists (finished earlier)")
             counts["skipped"] += 1
             continue
@@ -222,6 +226,7 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
         build_pool(base, tok, load_problems(base.env), out / "pool.jsonl", log)
         base = C.replace(base, pool={"path": str(out / "pool.jsonl")})
     runs = plan(base, arms, seeds, out)
+    _check_existing(runs)
     metrics.write_json_atomic(out / "sweep.json", {"command": command, "preset": preset, "arms": list(arms),
                                                    "seeds": list(seeds), "lomo": lomo,
                                                    "base": base.to_dict()})

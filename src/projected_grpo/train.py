@@ -100,8 +100,15 @@ def train(cfg: C.Config) -> dict:
     cfg = C.replace(cfg, run={"dir": str(run_dir)})
     ckpt_path = checkpoint.latest_checkpoint(run_dir) if cfg.run.resume else None
     ck = checkpoint.load_checkpoint(ckpt_path) if ckpt_path else None
-    if ck is not None and (diff := C.diff(C.Config.from_dict(ck.config), cfg, ("run.resume", "run.steps"))):
-        raise ValueError(f"--resume: {ckpt_path} was written with another config: {diff}")
+    if ck is not None:
+        # run.dir may differ: a run directory can be moved or copied and resumed where it is now
+        old = C.Config.from_dict(ck.config, where=f"{ckpt_path} config")
+        if diff := C.diff(old, cfg, ("run.resume", "run.steps", "run.dir")):
+            raise ValueError(f"--resume: {ckpt_path} was written with another config: {diff}")
+        if old.run.steps != cfg.run.steps:  # allowed (extending a run), but the LR schedule's horizon moves
+            print(f"--resume: run.steps {old.run.steps} -> {cfg.run.steps}: the cosine LR schedule now spans "
+                  f"{cfg.run.steps} steps, so from step {ck.step} on this is not the run the first "
+                  "command would have finished, nor an uninterrupted run of the new length", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
     metrics.write_json_atomic(run_dir / "config.json", cfg.to_dict())
     if cfg.run.threads:
@@ -331,8 +338,9 @@ def train(cfg: C.Config) -> dict:
             mean = lambda rs, k: float(sum(r[k] for r in rs) / len(rs)) if rs else 0.0
             row |= {k: float(v) for k, v in {**adv_stats, **stats}.items()} | acc
             row |= {"lr": lr_at(step), "grad/norm": float(grad_norm), "teacher/mode": L.teacher,
-                    "teacher/frac": len(tea) / len(rows), "reward/student_mean": mean(stu, "reward"),
-                    "reward/teacher_mean": mean(tea, "reward"),
+                    "teacher/frac": len(tea) / len(rows),  # rewards as trained on (gt_penalty applied)
+                    "reward/student_mean": float(rewards[:, :R.G_s].mean()),
+                    "reward/teacher_mean": float(rewards[:, R.G_s:].mean()) if R.G_t else 0.0,
                     "adv/student_mean": float(adv[:, :R.G_s].mean()),
                     "adv/teacher_mean": float(adv[:, R.G_s:].mean()) if R.G_t else 0.0,
                     "hack/student": mean(stu, "exploited"), "hack/teacher": mean(tea, "exploited"),
