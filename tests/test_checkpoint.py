@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 
 import numpy as np
 import pytest
@@ -95,6 +97,20 @@ def test_leftover_temp_dir_is_ignored_then_cleaned(tmp_path):
     assert latest_checkpoint(tmp_path).name == "ckpt-000001"
     _save(tmp_path, 2, knob, opt, sched)
     assert not stale.exists()
+
+
+def test_checkpoint_moved_aside_by_a_killed_resave_is_restored_or_cleaned(tmp_path):
+    knob, opt, sched = _setup()
+    _save(tmp_path, 1, knob, opt, sched)
+    _save(tmp_path, 2, knob, opt, sched)
+    # killed between the two renames of a re-save of step 1: its only copy is the moved-aside one
+    os.replace(tmp_path / "ckpt-000001", tmp_path / ".tmp-old-ckpt-000001-4242")
+    # killed after them: the new step-2 checkpoint is in place, the moved-aside old one is garbage
+    shutil.copytree(tmp_path / "ckpt-000002", tmp_path / ".tmp-old-ckpt-000002-4243")
+    _save(tmp_path, 3, knob, opt, sched, keep_last=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt-000001", "ckpt-000002", "ckpt-000003",
+                                                          LATEST_FILE]
+    assert load_checkpoint(tmp_path / "ckpt-000001").step == 1
 
 
 def test_failed_save_leaves_nothing_half_written(tmp_path):

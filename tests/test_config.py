@@ -152,6 +152,12 @@ def test_config_file_takes_json_numbers_as_floats(tmp_path):
     assert cfg.rollout.temperature == 1 and cfg.optim.lr == 1
 
 
+def test_hf_only_model_fields_are_refused_for_built_in_models():
+    with pytest.raises(ValueError, match=r"model.path, model.dtype: read only when model.source='hf'"):
+        C.replace(P.DEMO, model={"path": "/m", "dtype": "bfloat16"})
+    assert C.replace(P.DEMO, model={"source": "hf", "path": "/m", "dtype": "bfloat16"}).model.path == "/m"
+
+
 def test_cli_shorthands_overrides_and_config_file(tmp_path):
     cfg = parse_args(["--preset", "fast", "--arm", "route", "--model", "/models/q", "--run-dir", "r1",
                       "--resume", "--rollout.group-size", "6", "--loss.teacher", "exclude"])

@@ -183,6 +183,13 @@ def test_build_pool_cli_templates_and_teacher(tmp_path, tok_and_problems, capsys
     assert all(r["gt_correct"] and not r["exploited"] for r in pool.rows if r["source"] == "template:clean")
     assert "wrote 24 rows" in capsys.readouterr().out
 
+    # no --n-* options: the preset's own pool settings, so the pool is the one `train --preset` builds
+    assert build_pool_main(["--out", str(tmp_path / "p.jsonl")]) == 0
+    rows = PL.load_pool(tmp_path / "p.jsonl", tok, problems).rows
+    kinds = {k: sum(r["source"] == f"template:{k}" for r in rows) for k in ("hack", "clean", "buggy")}
+    assert kinds == {"hack": 12 * SMOKE.pool.n_hack, "clean": 12 * SMOKE.pool.n_clean,
+                     "buggy": 12 * SMOKE.pool.n_buggy}
+
     assert build_pool_main(["--out", str(tmp_path / "s.jsonl"), "--source", "teacher", "--samples", "1",
                            "--max-new-tokens", "4"]) == 0
     sampled = PL.load_pool(tmp_path / "s.jsonl", tok, problems)

@@ -137,6 +137,12 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, knobs_state: dict[
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_dir.glob(".tmp-ckpt-*"):  # left by a run killed mid-save; never a valid checkpoint
         shutil.rmtree(stale)
+    for old in run_dir.glob(".tmp-old-ckpt-*"):  # a complete checkpoint, moved aside to re-save its step
+        final = run_dir / old.name.removeprefix(".tmp-old-").rsplit("-", 1)[0]
+        if final.exists():  # killed after the new one took its place: the old one is garbage
+            shutil.rmtree(old)
+        else:  # killed between the two renames: the old one is still the only copy, so put it back
+            os.replace(old, final)
     name = f"ckpt-{int(step):06d}"
     final = run_dir / name
     tmp = run_dir / f".tmp-{name}-{os.getpid()}"

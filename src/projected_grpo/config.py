@@ -62,6 +62,11 @@ class ModelCfg:
     def __post_init__(self) -> None:
         _check(self)
         _positive(self, "rank", allow_zero=True)
+        hf_only = [f"model.{k}" for k, v in (("path", self.path), ("gguf_file", self.gguf_file),
+                                             ("dtype", self.dtype != "float32")) if v]
+        if self.source != "hf" and hf_only:  # the built-in models ignore them: say so rather than train on
+            raise ValueError(f"config: {', '.join(hf_only)}: read only when model.source='hf', but source is "
+                             f"{self.source!r}; pass --model PATH (sets source hf) or drop them")
 
 
 @dataclass(frozen=True)
@@ -276,7 +281,7 @@ class RunCfg:
     seed: int = 0
     """seed for model init, prompt order, pool draws and sampling"""
     dir: str = ""
-    """run directory (empty = runs/<preset>-<arm>-s<seed>-<time>)"""
+    """run directory (empty = runs/<model.source>-<arm>-s<seed>-<time>)"""
     resume: bool = False
     """continue from the latest checkpoint in `dir`"""
     checkpoint_every: int = 2

@@ -21,20 +21,20 @@ class BuildPoolOpts:
     """`templates`: built-in completions; `teacher`: sample the preset's model (or --teacher)"""
     teacher: str = ""
     """Hugging Face model directory to sample from (source=teacher; empty = the preset's model)"""
-    n_hack: int = 2
-    """templates: hack rows per problem"""
-    n_clean: int = 2
-    """templates: clean rows per problem"""
-    n_buggy: int = 0
-    """templates: honest-but-buggy rows per problem"""
+    n_hack: int | None = None
+    """templates: hack rows per problem (default: the preset's pool.n_hack)"""
+    n_clean: int | None = None
+    """templates: clean rows per problem (default: the preset's pool.n_clean)"""
+    n_buggy: int | None = None
+    """templates: honest-but-buggy rows per problem (default: the preset's pool.n_buggy)"""
     samples: int = 4
     """teacher: completions sampled per problem"""
-    max_new_tokens: int = 256
-    """teacher: generation length limit"""
-    temperature: float = 1.0
-    """teacher: sampling temperature (keep it equal to training's rollout.temperature for `importance`)"""
-    top_p: float = 1.0
-    """teacher: nucleus mass"""
+    max_new_tokens: int | None = None
+    """teacher: generation length limit (default: the preset's rollout.max_new_tokens)"""
+    temperature: float | None = None
+    """teacher: sampling temperature (default: the preset's rollout.temperature, as `importance` needs)"""
+    top_p: float | None = None
+    """teacher: nucleus mass (default: the preset's rollout.top_p)"""
     seed: int = 0
     """teacher: sampling seed"""
 
@@ -52,6 +52,8 @@ def build_pool_main(argv: list[str]) -> int:
     if opts.preset not in presets.PRESETS:
         raise SystemExit(f"build-pool: unknown preset {opts.preset!r}; known: {', '.join(presets.PRESETS)}")
     cfg = presets.PRESETS[opts.preset]
+    pick = lambda given, preset: preset if given is None else given  # unset options follow the preset
+    P, R = cfg.pool, cfg.rollout
     if opts.teacher:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source="hf", path=opts.teacher))
     problems = load_problems(cfg.env)
@@ -59,13 +61,15 @@ def build_pool_main(argv: list[str]) -> int:
         grader = Grader(sandbox, reward_shape=cfg.env.reward_shape, timeout_s=cfg.env.timeout_s)
         if opts.source == "templates":
             tokenizer = load_model(cfg.model, seed=opts.seed, tokenizer_only=True)[1]
-            rows = template_rows(problems, tokenizer, grader, n_hack=opts.n_hack, n_clean=opts.n_clean,
-                                 n_buggy=opts.n_buggy)
+            rows = template_rows(problems, tokenizer, grader, n_hack=pick(opts.n_hack, P.n_hack),
+                                 n_clean=pick(opts.n_clean, P.n_clean), n_buggy=pick(opts.n_buggy, P.n_buggy))
         else:
             model, tokenizer = load_model(cfg.model, seed=opts.seed)
             rows = teacher_rows(model, tokenizer, problems, grader, samples=opts.samples,
-                                max_new_tokens=opts.max_new_tokens, temperature=opts.temperature,
-                                top_p=opts.top_p, seed=opts.seed, name=opts.teacher or cfg.model.source)
+                                max_new_tokens=pick(opts.max_new_tokens, R.max_new_tokens),
+                                temperature=pick(opts.temperature, R.temperature),
+                                top_p=pick(opts.top_p, R.top_p),
+                                seed=opts.seed, name=opts.teacher or cfg.model.source)
     pathlib.Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     write_pool(opts.out, rows)
     print(build_report(rows))
