@@ -175,6 +175,20 @@ def test_knob_save_load_and_mismatch(tmp_path):
         lora.load(tmp_path / "k.safetensors")
 
 
+def test_fingerprint_sees_every_weight_and_config_value_but_not_the_path(tmp_path):
+    base = wrap(tiny(), "svd", cache_dir=tmp_path / "c").fingerprint()
+    emb = tiny()
+    with torch.no_grad():
+        emb.get_input_embeddings().weight[0, 0] += 1.0  # not a wrapped Linear
+    assert wrap(emb, "svd", cache_dir=tmp_path / "c").fingerprint() != base
+    rope = tiny()
+    rope.config.rope_theta = 1234.0  # same weights, another model
+    assert wrap(rope, "svd", cache_dir=tmp_path / "c").fingerprint() != base
+    moved = tiny()
+    moved.config._name_or_path = "/elsewhere"  # the same model from another directory
+    assert wrap(moved, "svd", cache_dir=tmp_path / "c").fingerprint() == base
+
+
 def test_svd_cache_hit_miss(tmp_path):
     W = torch.randn(6, 4)
     U, S, Vh, status = svd_cached(W, tmp_path)

@@ -206,7 +206,9 @@ class ToyLM(nn.Module):
         return types.SimpleNamespace(logits=self.head(self.o_proj(self.emb(input_ids))))
 
 
-TOK = types.SimpleNamespace(pad_token_id=0, eos_token_id=1)
+TOK = types.SimpleNamespace(pad_token_id=0, eos_token_id=1, chat_template=None,
+                            get_vocab=lambda: {"a": 0, "b": 1})
+TOK2 = types.SimpleNamespace(**{**vars(TOK), "chat_template": "{{ messages }}"})  # another chat template
 HACK, CLEAN = 10, 11
 
 
@@ -269,7 +271,7 @@ def _counting_extract():
         s = settings
         V, S, stats = directions_from_grads(g_hack, g_clean, s.k, s.tau_axis, s.n_heldout)
         stats["n_pairs"] = 12
-        return Direction(V, S, {**cache_meta(settings, knobs, pairs), "stats": json.dumps(stats)})
+        return Direction(V, S, {**cache_meta(settings, knobs, tokenizer, pairs), "stats": json.dumps(stats)})
 
     return extract, calls
 
@@ -293,14 +295,15 @@ def test_resolve_miss_hit_mismatch(tmp_path):
     assert status == "miss" and len(calls) == 1 and path.is_file()
     d2, status = resolve(path, s, model, knobs, TOK, pairs, extract=extract)
     assert status == "hit" and len(calls) == 1 and torch.equal(d2.V["m"], d1.V["m"])
-    cases = [(knobs, pairs, ExtractSettings(k=2), "settings.k: cached 3 != wanted 2"),
-             (FakeKnobs(fp="other"), pairs, s, "fingerprint"),
-             (knobs, toy_pairs(5), s, "pairs_hash")]
-    for kn, pr, st_, field in cases:
+    cases = [(knobs, TOK, pairs, ExtractSettings(k=2), "settings.k: cached 3 != wanted 2"),
+             (FakeKnobs(fp="other"), TOK, pairs, s, "fingerprint"),
+             (knobs, TOK2, pairs, s, "tokenizer"),
+             (knobs, TOK, toy_pairs(5), s, "pairs_hash")]
+    for kn, tok, pr, st_, field in cases:
         with pytest.warns(UserWarning, match=f"mismatch: {field}"):
-            _, status = resolve(path, st_, model, kn, TOK, pr, extract=extract)
+            _, status = resolve(path, st_, model, kn, tok, pr, extract=extract)
         assert status.startswith(f"mismatch: {field}") and ";" not in status  # the one differing key
-        d3, status = resolve(path, st_, model, kn, TOK, pr, extract=extract)
+        d3, status = resolve(path, st_, model, kn, tok, pr, extract=extract)
         assert status == "hit"  # the re-extraction was saved under the new key
         with pytest.warns(UserWarning, match="mismatch: "):
             resolve(path, s, model, knobs, TOK, pairs, extract=extract)  # back to the base entry

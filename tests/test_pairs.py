@@ -12,6 +12,7 @@ import pytest
 from projected_grpo.pairs import (
     Pair,
     builtin_pairs,
+    heldout_shared_prompts,
     load_pairs_file,
     nonhack_pairs,
     pairs_from_pool,
@@ -169,6 +170,15 @@ def test_pairs_hash_tracks_content_not_source():
 
 
 # --- built-in source ------------------------------------------------------------------------------
+
+
+def test_heldout_shared_prompts_counts_held_out_pairs_whose_prompt_was_fit():
+    # 3 pairs per problem: holding out 2 leaves the last problem's first pair in the fit set -> 2 shared;
+    # holding out 3 (a whole problem) or 6 -> 0; 4 -> the one extra pair of the second-to-last problem
+    pairs = builtin_pairs(per_problem=3)
+    assert [heldout_shared_prompts(pairs, n) for n in (0, 2, 3, 4, 6)] == [0, 2, 0, 1, 0]
+    text = [Pair("p", "h", "c"), Pair("q", "h", "c"), Pair("p", "h2", "c2")]
+    assert heldout_shared_prompts(text, 1) == 1 and heldout_shared_prompts(text, 2) == 1
 
 
 def test_builtin_pairs_vary_and_use_the_training_prompt():

@@ -194,23 +194,41 @@ def wrap(model: nn.Module, kind: str = "svd", targets: tuple[str, ...] = DEFAULT
                          f"Linear modules found: {linears}")
     for p in model.parameters():
         p.requires_grad_(False)
+    rest = _rest_hash(model, {f"{n}.weight" for n in names})  # before wrapping renames the parameters
     cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else None
     modules = {}
     for n in names:
         parent, attr = _parent(model, n)
         modules[n] = KINDS[kind](getattr(parent, attr), n, rank, cache, seed)
         setattr(parent, attr, modules[n])
-    return Knobs(model, kind, tuple(targets), rank, seed, modules)
+    return Knobs(model, kind, tuple(targets), rank, seed, modules, rest)
+
+
+def _rest_hash(model: nn.Module, skip: set[str]) -> str:
+    """sha256 of every parameter and buffer not in `skip` (the wrapped weights, hashed per module) and
+    of the model config's values, so that a fingerprint changes with embeddings, norms, lm_head or,
+    e.g., rope_theta too. The config's path and library version are left out: a moved model is the same."""
+    h = hashlib.sha256()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name not in skip:
+            h.update(f"{name}|".encode())
+            h.update(weight_hash(t).encode())
+    cfg = getattr(model, "config", None)
+    values = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    values = {k: v for k, v in values.items() if k not in ("_name_or_path", "transformers_version")}
+    h.update(json.dumps(values, sort_keys=True, default=str).encode())
+    return h.hexdigest()
 
 
 class Knobs:
     """Handle on a wrapped model: knob parameters, contexts, gradients, capture, save/load/export."""
 
-    def __init__(self, model, kind, targets, rank, seed, modules: dict[str, KnobLinear]):
+    def __init__(self, model, kind, targets, rank, seed, modules: dict[str, KnobLinear], rest_hash: str):
         self.model, self.kind, self.targets, self.rank, self.seed = model, kind, targets, rank, seed
         self.modules = modules
         self.cache_status = {n: m.cache_status for n, m in modules.items()}
         self._hashes = {n: m.weight_hash for n, m in modules.items()}
+        self._rest_hash = rest_hash  # every other parameter, buffer and config value (see _rest_hash)
 
     def parameters(self) -> list[nn.Parameter]:
         return [m.delta for m in self.modules.values()]
@@ -307,11 +325,12 @@ class Knobs:
                 m.capture = None
 
     def fingerprint(self) -> str:
-        """Hash of base model (config class, target weights' bytes), knob kind, rank, seed, targets."""
+        """Hash of the base model (class, config values, every weight and buffer), knob kind, rank, seed,
+        targets."""
         cfg = getattr(self.model, "config", None)
         desc = {"model": type(self.model).__name__, "config": type(cfg).__name__, "kind": self.kind,
                 "rank": self.rank, "seed": self.seed if self.kind == "lora" else None,
-                "targets": list(self.targets), "weights": self._hashes}
+                "targets": list(self.targets), "weights": self._hashes, "rest": self._rest_hash}
         return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
 
     def save(self, path: str | pathlib.Path) -> None:

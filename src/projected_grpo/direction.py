@@ -30,7 +30,8 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from projected_grpo.knob_grads import NLL_NORMS, pair_grads
-from projected_grpo.pairs import PAIR_CONTROLS, Pair, pairs_hash
+from projected_grpo.pairs import PAIR_CONTROLS, Pair, heldout_shared_prompts, pairs_hash
+from projected_grpo.pool import tokenizer_fingerprint
 
 FORMAT = "projected-grpo/v_hack/1"
 # Axes whose singular value is below this fraction of S_0 span D's numerical null space: their
@@ -47,7 +48,8 @@ class ExtractSettings:
     tau_axis: float = 0.0
     """drop axis i when S_i / S_0 < tau_axis (0 keeps all)"""
     n_heldout: int = 4
-    """the last n_heldout pairs are not used for the SVD; they give the held-out score"""
+    """the last n_heldout pairs are not used for the SVD; they give the held-out score (optimistic for
+    those that share a prompt with a fit pair: stats["heldout_shared_prompts"])"""
     norm: Literal["mean", "constant"] = "mean"
     """NLL normalisation: per-completion token mean (seed 001) or token sum / nll_const (dr_grpo)"""
     nll_const: float = 1.0
@@ -207,10 +209,12 @@ CONTROLS: dict[str, tuple[Callable, Callable[[dict[str, Tensor], int], dict[str,
 # --- extraction from a model ---------------------------------------------------------------
 
 
-def cache_meta(settings: ExtractSettings, knobs, pairs: Sequence[Pair]) -> dict[str, str]:
-    """The metadata an extraction is keyed by: format, model fingerprint, knob kind, pairs hash, settings."""
+def cache_meta(settings: ExtractSettings, knobs, tokenizer, pairs: Sequence[Pair]) -> dict[str, str]:
+    """The metadata an extraction is keyed by: format, model fingerprint, knob kind, tokenizer fingerprint
+    (text pairs are encoded with its vocabulary and chat template), pairs hash, settings."""
     return {"format": FORMAT, "fingerprint": str(knobs.fingerprint()), "knob_kind": str(knobs.kind),
-            "pairs_hash": pairs_hash(pairs), "settings": json.dumps(asdict(settings), sort_keys=True)}
+            "tokenizer": tokenizer_fingerprint(tokenizer), "pairs_hash": pairs_hash(pairs),
+            "settings": json.dumps(asdict(settings), sort_keys=True)}
 
 
 def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSettings) -> Direction:
@@ -225,7 +229,9 @@ def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: 
     V = v_control(V, settings.seed)
     stats["heldout"] = heldout_scores(g_hack, g_clean, V, settings.n_heldout)  # of the V actually returned
     stats["n_pairs"] = len(used)
-    return Direction(V, S, {**cache_meta(settings, knobs, pairs), "stats": json.dumps(stats, sort_keys=True)})
+    stats["heldout_shared_prompts"] = heldout_shared_prompts(used, settings.n_heldout)
+    meta = cache_meta(settings, knobs, tokenizer, pairs)
+    return Direction(V, S, {**meta, "stats": json.dumps(stats, sort_keys=True)})
 
 
 # --- storage and cache -------------------------------------------------------------------------
@@ -311,12 +317,12 @@ def resolve(path: str | pathlib.Path, settings: ExtractSettings, model, knobs, t
             *, extract: Callable[..., Direction] = extract_direction) -> tuple[Direction, str]:
     """Cached V_hack: (direction, status) with status "hit", "miss", "mismatch: ..." or "corrupt: ...".
 
-    hit: the file's metadata equals cache_meta(settings, knobs, pairs) and the file verifies. miss: no
-    file. Mismatch (another model, knob kind, pairs or settings) and a corrupt file are re-extracted
-    and overwritten, with a warning saying why; a wrong V is never returned.
+    hit: the file's metadata equals cache_meta(settings, knobs, tokenizer, pairs) and the file verifies.
+    miss: no file. Mismatch (another model, knob kind, tokenizer, pairs or settings) and a corrupt file
+    are re-extracted and overwritten, with a warning saying why; a wrong V is never returned.
     """
     path = pathlib.Path(path)
-    want = cache_meta(settings, knobs, pairs)
+    want = cache_meta(settings, knobs, tokenizer, pairs)
     status = "miss"
     if path.exists():
         try:

@@ -86,6 +86,9 @@ def main(argv: list[str]) -> int:
     scores = [h for h in stats["heldout"].values() if h is not None]
     if scores:
         print(f"held-out score (v1, mean over {len(scores)} modules): {sum(scores) / len(scores):.3f}")
+    if shared := stats.get("heldout_shared_prompts", 0):  # absent from files written before it existed
+        print(f"note: {shared} of the {s.n_heldout} held-out pairs share a prompt with fit pairs, so the "
+              f"held-out score is optimistic; make --n-heldout a multiple of --per-problem")
     if opts.k_use is not None or opts.drop_bottom_frac > 0:
         V_used, report = postprocess(d.V, d.S, opts.k_use, opts.drop_bottom_frac)
         print(f"post-processing (k_use={opts.k_use}, drop_bottom_frac={opts.drop_bottom_frac}): "

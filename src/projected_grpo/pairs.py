@@ -82,6 +82,16 @@ def _prompt_key(p: Pair) -> str:
     return json.dumps(p.prompt if isinstance(p.prompt, str) else [sorted(m.items()) for m in p.prompt])
 
 
+def heldout_shared_prompts(pairs: Sequence[Pair], n_heldout: int) -> int:
+    """How many of the last `n_heldout` pairs (the held-out ones) share their prompt with a fit pair.
+    Their held-out score is optimistic: the fit saw that prompt (built-in pairs of one problem may also
+    share a completion). Zero when the held-out pairs are whole problems."""
+    if n_heldout <= 0:
+        return 0
+    fit = {_prompt_key(p) for p in pairs[:-n_heldout]}
+    return sum(_prompt_key(p) in fit for p in pairs[-n_heldout:])
+
+
 # --- built-in pairs ----------------------------------------------------------------------------
 
 
@@ -90,7 +100,9 @@ def builtin_pairs(problems: Sequence | None = None, per_problem: int = 3) -> lis
 
     Pair i of a problem is (hack variant i mod #hacks, clean variant (i + 1) mod #cleans): both lists
     rotate, with an offset so the same index is not always matched, so pairs are not one template.
-    Problems are taken in order, so the last pairs (the default held-out ones) are whole problems.
+    Problems are taken in order, so the last pairs (the held-out ones) are whole problems when
+    n_heldout is a multiple of per_problem; otherwise some share a prompt with fit pairs
+    (`heldout_shared_prompts` counts them, and extraction reports it).
     """
     from projected_grpo.envs.completions import clean_completions, hack_completions
     from projected_grpo.envs.problems import BUILTIN_PROBLEMS

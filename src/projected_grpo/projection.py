@@ -42,6 +42,9 @@ def project(g: torch.Tensor, V: torch.Tensor, gate: str = "one_sided", overshoot
     for g_proj (0 for a zero vector), fired (1. if anything was removed), plus the squared sums
     (in_sq, g_sq, out_sq, gp_sq) that `apply_arm` aggregates over modules.
     g_proj = g - removed, unless preserve_magnitude, which rescales it to ‖g‖ (then g_proj + removed ≠ g).
+    A g_proj of norm ≤ 64·eps·‖g‖ (7.6e-6 relative in fp32) is taken for the rounding noise of a g inside
+    span(V) and set to 0: the rescale would otherwise blow noise up to ‖g‖. A real component that small
+    is lost with it (project in float64 to keep it).
     """
     if V.dim() != 2 or g.dim() != 1 or V.shape[1] != g.shape[0]:
         raise ValueError(f"project: need g (R,) and V (K,R); got g {tuple(g.shape)}, V {tuple(V.shape)}")

@@ -134,7 +134,7 @@ def train(cfg: C.Config) -> dict:
     # (the seed only draws the controls; the real V is seed-free, so every seed shares one cached V)
     v_pairs = (pairs.load_pairs_file(P.pairs) if P.pairs else
                pairs.builtin_pairs(problems if cfg.env.problems == "builtin" else None, P.pairs_per_problem))
-    key = organism.stable_hash(direction.cache_meta(settings, knobs, v_pairs))  # model, pairs, settings
+    key = organism.stable_hash(direction.cache_meta(settings, knobs, tok, v_pairs))  # all V depends on
     v_file = P.v_path or cache / "v_hack" / f"{key}.safetensors"
     found, v_status = direction.resolve(v_file, settings, model, knobs, tok, v_pairs)
     V_hack, v_report = direction.postprocess(found.V, found.S, P.k_use, P.drop_bottom_frac)
