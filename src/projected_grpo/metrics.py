@@ -41,12 +41,12 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "teacher/mode", "teacher/frac", "teacher/ratio_mean", "teacher/is_weight_mean", "teacher/clip_frac",
     "proj/norm_removed", "proj/skipped", "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",
     "proj/v_overlap", "knob/norm", "completion/max_len", "eval/deploy_hack", "eval/deploy_solve",
-    "hack/deploy", "solve/deploy",
+    "hack/deploy", "solve/deploy", "format/deploy",
 })
 # summary.json: last-`last`-row means of these (issue 6 item 6)
 SUMMARY_KEYS: tuple[str, ...] = (
     "reward/mean", "hack/student", "hack/teacher", "solve/student", "solve/teacher", "hack/deploy",
-    "solve/deploy", "proj/cin_student", "proj/cin_teacher", "proj/cin", "proj/cout",
+    "solve/deploy", "format/deploy", "proj/cin_student", "proj/cin_teacher", "proj/cin", "proj/cout",
 )
 
 

@@ -227,7 +227,8 @@ def train(cfg: C.Config) -> dict:
             # --- deployment view: the same prompts, sampled with the quarantine knob zeroed as at deployment
             # (SPEC §3). Only `route` writes the quarantine; while it is all zero the deployed model is the
             # student, so the student's samples are the deployment samples and nothing is generated twice ---
-            deploy = [(r["exploited"], r["gt_correct"]) for g in groups for r in g if r["student"]]
+            deploy = [(r["exploited"], r["gt_correct"], r["format_ok"])  # per student row
+                      for g in groups for r in g if r["student"]]
             if any(bool(v.any()) for v in knobs.values("hack").values()):
                 t0 = time.perf_counter()
                 with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
@@ -238,7 +239,7 @@ def train(cfg: C.Config) -> dict:
                 t1 = time.perf_counter()
                 dg = grader.grade_batch([tok.decode(c, skip_special_tokens=True) for c in dro.completion_ids],
                                         [by_id[i] for i in pids for _ in range(R.G_s)])
-                deploy = [(g.exploited, g.gt_correct) for g in dg]
+                deploy = [(g.exploited, g.gt_correct, g.format_ok) for g in dg]
                 t_gen, t_grade = t_gen + t1 - t0, t_grade + time.perf_counter() - t1
 
             # --- advantages over each mixed group (estimator by name); zero-variance groups skipped ---
@@ -345,8 +346,9 @@ def train(cfg: C.Config) -> dict:
                     "adv/teacher_mean": float(adv[:, R.G_s:].mean()) if R.G_t else 0.0,
                     "hack/student": mean(stu, "exploited"), "hack/teacher": mean(tea, "exploited"),
                     "solve/student": mean(stu, "gt_correct"), "solve/teacher": mean(tea, "gt_correct"),
-                    "hack/deploy": sum(h for h, _ in deploy) / len(deploy),
-                    "solve/deploy": sum(c for _, c in deploy) / len(deploy),
+                    "hack/deploy": sum(d[0] for d in deploy) / len(deploy),
+                    "solve/deploy": sum(d[1] for d in deploy) / len(deploy),
+                    "format/deploy": sum(d[2] for d in deploy) / len(deploy),
                     "knob/norm": float(torch.cat(list(knobs.values("main").values())).norm()),
                     "knob/hack_norm": float(torch.cat(list(knobs.values("hack").values())).norm()),
                     "completion/mean_len": sum(len(r["completion_ids"]) for r in stu) / len(stu),
