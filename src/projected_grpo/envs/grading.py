@@ -17,6 +17,7 @@ import ast
 import concurrent.futures
 import dataclasses
 import hashlib
+import warnings
 from collections.abc import Callable, Sequence
 
 from projected_grpo.envs.detectors import loophole_modes, stub_code, weak_tests
@@ -94,8 +95,10 @@ def prepare(completion: str | bytes, problem: Problem) -> _Prepared:
     if len(code) > MAX_CODE_CHARS:
         return _Prepared(None, None, False, f"code has {len(code)} characters, over {MAX_CODE_CHARS}")
     try:
-        tree = ast.parse(code, "solution.py")
-        compile(tree, "solution.py", "exec")
+        with warnings.catch_warnings():  # the model's code, not the user's: its SyntaxWarnings are noise here
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(code, "solution.py")
+            compile(tree, "solution.py", "exec")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
         return _Prepared(None, None, False, f"does not compile: {type(e).__name__}: {str(e)[:160]}")
     classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Solution"]
