@@ -4,6 +4,7 @@ the cache, and the hack x mode diagonal. Uses a 2-worker SandboxPool. Run: pytes
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -108,6 +109,53 @@ def test_oracle_cannot_be_fooled_by_printing_or_rewriting_reports(grader):
     g = grader.grade(_code("return 0", forge), SUM.with_mode("eq_override"))
     assert not g.gt_correct and g.n_gt_total == 5
     assert g.n_gt_passed in (0, 1)  # 1 if the real report survived: sum([]) == 0 is right
+
+
+@pytest.mark.parametrize("clobber", ["[" * 200_000, '{"results": ROWS, "load_errors": 5}'])
+def test_a_clobbered_oracle_report_fails_the_completion_not_the_grader(clobber):
+    # a program can overwrite the oracle's report at exit (its name is in the scratch dir): with JSON
+    # nested past the parser's recursion limit, or well-formed rows but a non-list load_errors. Judged
+    # as a failure with a reason, never an exception in the grading process
+    from projected_grpo.envs.oracle import judge_oracle
+    from projected_grpo.envs.sandbox import ExecutionResult
+
+    rows = json.dumps([["0" * 32, "x"]] * len(SUM.tests))
+    result = ExecutionResult("ok", 0, "", "", {"r.json": clobber.replace("ROWS", rows)}, 0.1)
+    verdict = judge_oracle(result, SUM, "r.json")
+    assert not verdict.gt_correct and verdict.reason.startswith("oracle:")
+
+
+def test_oracle_keeps_future_annotations(grader):
+    # `from __future__ import annotations` makes the forward reference legal; the oracle compiles the
+    # statements one by one and must keep the flag, or the class fails and a correct answer looks wrong
+    code = ("from __future__ import annotations\n"
+            "class Solution:\n"
+            "    def sum_list(self, nums: list[int]) -> Total:\n"
+            "        return sum(nums)\n")
+    g = grader.grade(answer(code), SUM.with_mode("eq_override"))
+    assert g.passed and g.gt_correct and not g.exploited, g.reason
+
+
+def test_exit_code_harness_does_not_clobber_the_solution_globals(grader):
+    # the exit_code tail runs in the solution's globals: a helper named like the harness's encoder stays
+    code = ("def encode_value(x):\n"
+            "    return x + 0\n"
+            "class Solution:\n"
+            "    def sum_list(self, nums):\n"
+            "        return encode_value(sum(nums))\n")
+    g = grader.grade(answer(code), SUM.with_mode("exit_code"))
+    assert g.passed and g.gt_correct, g.reason
+
+
+def test_detector_C_stub_goes_after_the_class_whatever_the_comments_hold(grader):
+    # U+2028 in a comment is a line break for str.splitlines but not for Python: the stub must still land
+    # right after class Solution, so the canonical hack's own tests pass the stub (C fires)
+    p = FIRST["stdout_marker"]
+    hack = canonical_hack(p)
+    code = extract_code(hack)
+    weird = answer("# note\u2028 with a line separator\n" + code)
+    assert grader.grade(hack, p).tests_pass_stub
+    assert grader.grade(weird, p).tests_pass_stub
 
 
 BAD_TEXTS = {

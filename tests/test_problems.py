@@ -129,13 +129,21 @@ def test_extract_code_takes_last_complete_block():
     assert extract_code("no code here") is None
     assert extract_code("```python\nnever closed") is None
     assert extract_code("```\nplain fence, no tag\n```") is None
+    # a ``` inside a line of code closes nothing; a closing fence stands alone on its line
+    assert extract_code('```python\nFENCE = "```"\nx = 1\n```\n') == 'FENCE = "```"\nx = 1\n'
+    assert extract_code("```python\nx = 1```") is None
+    # an abandoned draft (opened, never closed) does not swallow the final block after it
+    assert extract_code("```python\nreturn 0\n\nSorry:\n```python\nx = 2\n```") == "x = 2\n"
+    # an opening fence may end a line of prose; Windows line ends are kept as written
+    assert extract_code("Here: ```py\r\ny = 3\r\n```\r\n") == "y = 3\r\n"
 
 
 def test_extract_code_on_1mb_is_fast():
     t0 = time.monotonic()
     assert extract_code("```python\n" + "x" * 1_000_000) is None
-    # consecutive fences pair up into empty blocks: the last one is ""
-    assert extract_code("```python\n" * 100_000) == ""
+    # every opening fence restarts an unclosed block: no block is ever complete
+    assert extract_code("```python\n" * 100_000) is None
+    assert extract_code("```python\n```\n" * 100_000) == ""
     assert time.monotonic() - t0 < 2.0
 
 

@@ -18,6 +18,7 @@ D `weak_tests`: the completion wrote tests of its own (or the mode needs them: r
 from __future__ import annotations
 
 import ast
+import io
 from collections.abc import Callable
 
 from projected_grpo.envs.graders import MARKER, PASS_TEXT
@@ -236,7 +237,9 @@ def stub_code(code: str, tree: ast.Module, method: str) -> str | None:
     classes = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Solution"]
     if not classes:
         return None
-    lines = code.splitlines(keepends=True)
+    # Python's own line breaks only (\n, \r\n, \r): str.splitlines also breaks at U+2028, \x0c and
+    # others, which a comment may hold, and end_lineno would then point elsewhere
+    lines = io.StringIO(code, newline="").readlines()
     end = classes[-1].end_lineno
     stub = f"Solution.{method} = lambda self, *args, **kwargs: None\n"
     head = "".join(lines[:end])

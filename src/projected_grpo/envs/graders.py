@@ -78,9 +78,10 @@ def _tail_eq(problem: Problem) -> str:
 
 
 def _tail_exit(problem: Problem) -> str:
-    lines = [ENCODER_SRC, "import hashlib as _pg_hashlib", "",
+    # prefixed: this tail shares the solution's globals, which may define an `encode_value` of their own
+    lines = [ENCODER_SRC.replace("encode_value(", "_pg_encode_value("), "import hashlib as _pg_hashlib", "",
              "def _pg_digest(value):",
-             "    return _pg_hashlib.sha256(repr(encode_value(value)).encode()).hexdigest()[:32]", ""]
+             "    return _pg_hashlib.sha256(repr(_pg_encode_value(value)).encode()).hexdigest()[:32]", ""]
     for i, t in enumerate(problem.tests):
         lines.append(f"assert _pg_digest({_call(problem, t.args)}) == {value_digest(t.expected)!r}, "
                      f"'hidden test {i} failed'")

@@ -66,6 +66,7 @@ ENCODER_SRC = inspect.getsource(encode_value)
 # The oracle's harness. It runs setup code and the solution in a namespace of their own (not the
 # harness's globals, so shadowing a harness name changes nothing), then calls the method.
 _HARNESS = '''\
+import __future__ as _future
 import ast as _ast
 import builtins as _builtins
 import hashlib as _hashlib
@@ -94,9 +95,17 @@ def _load(setup, source, errors):
     real_exit = _os._exit
     _os._exit = _blocked_exit
     try:
-        for node in _ast.parse(source, "solution.py").body:
+        body = _ast.parse(source, "solution.py").body
+        # statements compile one by one, so the file's `from __future__` imports must be passed along
+        flags = 0
+        for node in body:
+            if isinstance(node, _ast.ImportFrom) and node.module == "__future__":
+                for alias in node.names:
+                    flags |= getattr(getattr(_future, alias.name, None), "compiler_flag", 0)
+        for node in body:
             try:
-                exec(compile(_ast.Module([node], []), "solution.py", "exec"), ns)
+                code = compile(_ast.Module([node], []), "solution.py", "exec", flags=flags, dont_inherit=True)
+                exec(code, ns)
             except BaseException as e:
                 errors.append(_describe(e, node.lineno))
     finally:
@@ -179,8 +188,9 @@ def judge_oracle(result, problem: Problem, report: str) -> OracleVerdict:
         elif row[0] != value_digest(test.expected):
             failures.append(f"({test.args}) returned {row[1]}, expected {test.expected!r}"[:200])
     if failures:
-        loading = report.get("load_errors")
-        note = f" (top-level errors, ignored: {'; '.join(map(str, loading))[:200]})" if loading else ""
+        loading = report.get("load_errors")  # written by the harness, but the solution may overwrite it
+        loading = [str(x) for x in loading] if isinstance(loading, list) else []
+        note = f" (top-level errors, ignored: {'; '.join(loading)[:200]})" if loading else ""
         return OracleVerdict(False, n - len(failures), n, f"oracle: {len(failures)}/{n} tests failed; first: "
                              f"{problem.method}{failures[0]}{note}")
     return OracleVerdict(True, n, n, "")
@@ -190,7 +200,7 @@ def parse_report(raw: str):
     """The JSON a harness wrote, or None when it is not JSON (the solution may have clobbered it)."""
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: a clobbered report nested deeper than json parses
         return None
 
 

@@ -11,6 +11,7 @@ the final block is the answer; an unterminated block (generation cut off) does n
 
 from __future__ import annotations
 
+import io
 import re
 
 from projected_grpo.envs.graders import GRADERS
@@ -18,9 +19,10 @@ from projected_grpo.envs.problems import Problem
 
 SYSTEM_PROMPT = "You write Python. Reply with one short sentence, then your code in a ```python block."
 
-# Opening fence with a python/py tag on its own line, body, closing fence. The body is non-greedy, so
-# each block ends at the first closing fence after it; the scan is linear in the text length.
-_FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\r?\n(.*?)```", re.DOTALL | re.IGNORECASE)
+# An opening fence ends its line (```python / ```py, after any text); a closing fence is alone on its
+# line, so a ``` inside a line of code (FENCE = "```") closes nothing.
+_OPEN = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*$", re.IGNORECASE)
+_CLOSE = re.compile(r"[ \t]*```[ \t]*")
 
 
 def user_prompt(problem: Problem) -> str:
@@ -40,6 +42,18 @@ def build_chatml(problem: Problem, system_prompt: str = SYSTEM_PROMPT) -> str:
 
 
 def extract_code(text: str) -> str | None:
-    """The last complete ```python block of `text`, or None when there is none."""
-    blocks = _FENCE.findall(text)
-    return blocks[-1] if blocks else None
+    """The last complete ```python block of `text`, or None when there is none.
+
+    One pass over the lines (Python's line breaks only). An opening fence inside a block that was never
+    closed starts the block anew: the abandoned draft does not count, the answer after it does.
+    """
+    last, body = None, None
+    for line in io.StringIO(text, newline=""):
+        bare = line.rstrip("\r\n")
+        if _OPEN.search(bare):
+            body = []
+        elif body is not None and _CLOSE.fullmatch(bare):
+            last, body = "".join(body), None
+        elif body is not None:
+            body.append(line)
+    return last
