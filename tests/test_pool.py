@@ -122,6 +122,25 @@ def test_pool_cursor_draws_depend_only_on_seed_step_problem_slot(tmp_path, tok_a
         c1.draw(probs[1].id, 1, step=0, slot=0)
 
 
+def test_pool_cursor_resume_refuses_another_pool_of_the_same_size(tok_and_problems):
+    tok, probs = tok_and_problems
+    pool = PL.TeacherPool(rows=[_row(tok, probs[0], completion=str(i)) for i in range(3)], path="a")
+    rebuilt = PL.TeacherPool(rows=[_row(tok, probs[0], completion=str(i + 100)) for i in range(3)], path="a")
+    state = json.loads(json.dumps(PL.PoolCursor(pool, seed=1).state_dict()))
+    PL.PoolCursor(pool, seed=1).load_state_dict(state)
+    with pytest.raises(ValueError, match="another pool than a .same size, other rows"):
+        PL.PoolCursor(rebuilt, seed=1).load_state_dict(state)
+
+
+def test_tokenizer_fingerprint_ignores_padding_and_truncation_state(tok_and_problems):
+    # transformers rewrites the backend's padding / truncation settings on calls that use them
+    tok, _ = tok_and_problems
+    before = PL.tokenizer_fingerprint(tok)
+    tok(["a b", "a"], padding=True, truncation=True, max_length=4)
+    assert PL.tokenizer_fingerprint(tok) == before
+    assert json.loads(tok.backend_tokenizer.to_str())["truncation"] is not None  # the state did change
+
+
 # --- teacher handling (SPEC §3) --------------------------------------------------------------------
 
 LOGP = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]])  # row 0 student, row 1 teacher

@@ -233,9 +233,13 @@ def test_missing_special_ids_fail_clearly(model, tokenizer):
 
 def test_nucleus_by_hand():
     # p = [0.5, 0.3, 0.2], top_p = 0.7: mass before each sorted token is [0, 0.5, 0.8]; 0.8 >= 0.7 drops
-    # token 2, so draws come from {0, 1} with odds 5:3; the logp reported stays the untruncated log p
+    # token 2, so draws come from {0, 1} with odds 5:3; the logp reported is that of the distribution
+    # drawn from: log(0.5 / 0.8) = log 0.625 and log(0.3 / 0.8) = log 0.375
     logits = torch.tensor([[0.5, 0.3, 0.2]]).log().expand(4000, 3)
     tok, lp = SAMPLERS["sample"](logits, 1.0, 0.7, torch.Generator().manual_seed(0))
     counts = torch.bincount(tok, minlength=3)
     assert counts[2] == 0 and abs(float(counts[0]) / 4000 - 0.625) < 0.03
-    torch.testing.assert_close(lp, torch.tensor([0.5, 0.3, 0.2]).log()[tok])
+    torch.testing.assert_close(lp, torch.tensor([0.625, 0.375, 1.0]).log()[tok])
+    # greedy: the argmax with probability 1, log 1 = 0
+    tok, lp = SAMPLERS["greedy"](logits[:2], 0.0, 1.0, torch.Generator())
+    assert tok.tolist() == [0, 0] and lp.tolist() == [0.0, 0.0]

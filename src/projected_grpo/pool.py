@@ -39,9 +39,14 @@ GRADE_KEYS = ("reward", "passed", "gt_correct", "exploited", "format_ok", "det_E
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """Hash (16 hex) of the tokenizer's vocabulary, merges, special tokens and chat template."""
+    """Hash (16 hex) of the tokenizer's vocabulary, merges, special tokens and chat template. Not of its
+    padding / truncation state, which transformers rewrites on every call with those options."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(sorted(tokenizer.get_vocab().items()))
+    if backend is not None:
+        spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("padding", "truncation")}
+        body = json.dumps(spec, sort_keys=True)
+    else:
+        body = json.dumps(sorted(tokenizer.get_vocab().items()))
     blob = json.dumps([body, getattr(tokenizer, "chat_template", None) or "", tokenizer.eos_token_id])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -282,13 +287,23 @@ class PoolCursor:
         self.draws += n
         return [self.pool.rows[i] for i in pick]
 
+    def rows_hash(self) -> str:
+        """sha256 (16 hex) of the pool's rows: a rebuilt pool of the same size is another pool."""
+        return hashlib.sha256(json.dumps(self.pool.rows, sort_keys=True).encode()).hexdigest()[:16]
+
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "draws": self.draws, "n_rows": len(self.pool.rows)}
+        return {"seed": self.seed, "draws": self.draws, "n_rows": len(self.pool.rows),
+                "rows_hash": self.rows_hash()}
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed or state["n_rows"] != len(self.pool.rows):
             raise ValueError(f"PoolCursor: checkpoint drew from a pool of {state['n_rows']} rows with seed "
                              f"{state['seed']}; this run has {len(self.pool.rows)} rows, seed {self.seed}")
+        # (checkpoints written before rows_hash existed carry none: the size check above is all they get)
+        if state.get("rows_hash", self.rows_hash()) != self.rows_hash():
+            raise ValueError(f"PoolCursor: checkpoint drew from another pool than {self.pool.path} (same "
+                             f"size, other rows: hash {state['rows_hash']} != {self.rows_hash()}); resume "
+                             "with the pool file the run started with")
         self.draws = int(state["draws"])
 
 

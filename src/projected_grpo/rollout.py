@@ -159,9 +159,10 @@ class Rollout:
     prompt_ids     list of N prompt id lists (prompt b repeated n_samples times).
     completion_ids list of N id lists: EOS included when emitted, nothing after it.
     logp           list of N float32 CPU tensors (len(completion_ids[i]),): behaviour log-prob of each
-                   sampled token, log_softmax(logits / temperature) BEFORE top-p truncation (greedy,
-                   temperature 0: log_softmax(logits)). With top_p = 1 this is exactly the sampling
-                   distribution and matches forward_logprobs(..., temperature) on the same policy.
+                   sampled token under the distribution it was drawn from, as importance weights need
+                   it (pool.teacher_importance): log_softmax(logits / temperature) renormalised over
+                   the top-p nucleus; 0 for greedy (temperature 0: drawn with probability 1). With
+                   top_p = 1 it matches forward_logprobs(..., temperature) on the same policy.
     truncated      (N,) bool: hit max_new_tokens without emitting EOS.
     """
 
@@ -175,14 +176,14 @@ class Rollout:
 
 
 def _greedy(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """logits (N, V) fp32 -> token (N,), behaviour logp (N,) under the unscaled distribution."""
+    """logits (N, V) fp32 -> token (N,), behaviour logp (N,): 0, the argmax is drawn with probability 1."""
     tok = logits.argmax(-1)
-    return tok, F.log_softmax(logits, -1).gather(-1, tok[:, None])[:, 0]
+    return tok, torch.zeros(tok.shape, dtype=logits.dtype, device=logits.device)
 
 
 def _sample(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     """logits (N, V) fp32 -> token (N,) drawn from softmax(logits / temperature) nucleus-truncated at top_p,
-    and its behaviour logp (N,) under the untruncated tempered distribution."""
+    and its behaviour logp (N,) under that same distribution (the nucleus renormalised)."""
     logp_all = F.log_softmax(logits / temperature, -1)  # (N, V)
     probs = logp_all.exp()
     if top_p < 1.0:
@@ -191,7 +192,8 @@ def _sample(logits: Tensor, temperature: float, top_p: float, gen: torch.Generat
         sorted_p = sorted_p.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
     tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
-    return tok, logp_all.gather(-1, tok[:, None])[:, 0]
+    logp = logp_all.gather(-1, tok[:, None])[:, 0]
+    return tok, (logp - probs.sum(-1).log()) if top_p < 1.0 else logp  # log(p / nucleus mass)
 
 
 SAMPLERS: dict[str, Callable[[Tensor, float, float, torch.Generator], tuple[Tensor, Tensor]]] = {
