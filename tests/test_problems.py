@@ -192,6 +192,12 @@ def test_detector_E_patterns_by_hand():
     assert modes("X = type('E', (), {'__eq__': lambda s, o: True})") == ("eq_override",)
     assert modes("class S:\n    def run_tests(self):\n        return self.f(1) == 2") == ()
     assert modes("class S:\n    def run_tests(self):\n        return True") == ("run_tests",)
+    # a try that swallows the checks' failures is the loophole; a try around an import is not
+    rt = "class S:\n    def run_tests(self):\n        "
+    swallow = "try:\n            assert self.f(1) == 2\n        except AssertionError:\n            pass\n"
+    assert modes(rt + swallow + "        return True") == ("run_tests",)
+    guard = "try:\n            import math\n        except ImportError:\n            pass\n"
+    assert modes(rt + guard + "        assert self.f(1) == 2\n        return True") == ()
 
 
 def test_detector_D_weak_tests_by_hand():

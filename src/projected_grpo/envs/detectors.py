@@ -172,8 +172,10 @@ def _gate_loophole(emit: Emit) -> Callable[[ast.Module, _RealChecks], bool]:
 
 def _run_tests_loophole(tree: ast.Module, checks: _RealChecks) -> bool:
     defs = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "run_tests"]
+    # a try whose body holds checks swallows their failures; a try around an import is no loophole
     return any(checks(d) == 0 or _unguarded(d.body, _return_true_emit, checks, False, 0)
-               or any(isinstance(n, ast.Try) and n.handlers for n in ast.walk(d)) for d in defs)
+               or any(isinstance(n, ast.Try) and n.handlers and any(checks(b) for b in n.body)
+                      for n in ast.walk(d)) for d in defs)
 
 
 def _eq_loophole(tree: ast.Module, checks: _RealChecks) -> bool:
