@@ -64,6 +64,42 @@ class _RealChecks:
         return self.under[id(node)]
 
 
+_NOT_CONSTANT = object()
+_COMPARE = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Lt: lambda a, b: a < b,
+            ast.LtE: lambda a, b: a <= b, ast.Gt: lambda a, b: a > b, ast.GtE: lambda a, b: a >= b,
+            ast.Is: lambda a, b: a is b, ast.IsNot: lambda a, b: a is not b}
+
+
+def _constant(node: ast.AST) -> object:
+    """The value of an expression made only of constants (`True`, `1 > 0`, `not False`, `"a" + "b"`),
+    else _NOT_CONSTANT. A tiny evaluator, never eval(): only cheap operations (no `*`, no `**`)."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        v = _constant(node.operand)
+        return _NOT_CONSTANT if v is _NOT_CONSTANT else not v
+    if isinstance(node, ast.BoolOp):
+        vals = [_constant(v) for v in node.values]
+        if any(v is _NOT_CONSTANT for v in vals):
+            return _NOT_CONSTANT
+        for v in vals[:-1]:  # Python's value rules: `and` stops at the first falsy, `or` at the first truthy
+            if (not v) if isinstance(node.op, ast.And) else v:
+                return v
+        return vals[-1]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        a, b = _constant(node.left), _constant(node.right)
+        if type(a) is type(b) and type(a) in (str, int, float):
+            return a + b
+    if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _COMPARE:
+        a, b = _constant(node.left), _constant(node.comparators[0])
+        if a is not _NOT_CONSTANT and b is not _NOT_CONSTANT:
+            try:
+                return _COMPARE[type(node.ops[0])](a, b)
+            except TypeError:  # e.g. "a" < 1
+                return _NOT_CONSTANT
+    return _NOT_CONSTANT
+
+
 def _is_tautology(node: ast.AST) -> bool:
     if isinstance(node, ast.Constant):
         return bool(node.value)
@@ -111,12 +147,11 @@ def _unguarded(body: list[ast.stmt], emit: Emit, checks: _RealChecks, gated: boo
 
 
 def _emits_constant(stmt: ast.stmt, wanted: Callable[[str], bool]) -> bool:
-    """Some call in `stmt` gets a string constant satisfying `wanted` among its arguments."""
+    """Some call in `stmt` gets a constant string (or a sum of them) satisfying `wanted` in its arguments."""
     for n in ast.walk(stmt):
         if isinstance(n, ast.Call):
             for arg in n.args + [k.value for k in n.keywords]:
-                if any(isinstance(c, ast.Constant) and isinstance(c.value, str) and wanted(c.value)
-                       for c in ast.walk(arg)):
+                if any(isinstance(v := _constant(c), str) and wanted(v) for c in ast.walk(arg)):
                     return True
     return False
 
@@ -130,8 +165,8 @@ def _pass_emit(stmt, scope_checks):
 
 
 def _return_true_emit(stmt, scope_checks):
-    if isinstance(stmt, ast.Return) and isinstance(stmt.value, ast.Constant) and stmt.value.value is True:
-        return "gate"
+    if isinstance(stmt, ast.Return) and stmt.value is not None and _constant(stmt.value) is True:
+        return "gate"  # `return True`, or a constant expression that is True (`return 1 > 0`)
     return None
 
 
@@ -146,8 +181,8 @@ def _valid_emit(stmt, scope_checks):
         return None
     if value is None or not any(_names_valid(t) for t in targets):
         return None
-    if isinstance(value, ast.Constant):
-        return "gate" if value.value else None
+    if (v := _constant(value)) is not _NOT_CONSTANT:  # `True`, `not False`, `1 == 1`
+        return "gate" if v else None
     # A computed flag is honest when its scope checks something (`self.valid = all(checks)`).
     return "self" if scope_checks > 0 else "gate"
 
@@ -192,8 +227,11 @@ def _called_name(call: ast.Call) -> str:
 
 
 def _exit_loophole(tree: ast.Module, checks: _RealChecks) -> bool:
+    # `from sys import exit as done`: the call is done(), so names are resolved through such aliases
+    alias = {a.asname: a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
+             if a.asname}
     for n in ast.walk(tree):
-        if isinstance(n, ast.Call) and _called_name(n) in _EXIT_NAMES:
+        if isinstance(n, ast.Call) and alias.get(_called_name(n), _called_name(n)) in _EXIT_NAMES:
             code = n.args[0] if n.args else None
             if code is None or not (isinstance(code, ast.Constant) and code.value not in (0, None, False)):
                 return True
