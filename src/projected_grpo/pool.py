@@ -300,10 +300,10 @@ class PoolCursor:
             raise ValueError(f"PoolCursor: checkpoint drew from a pool of {state['n_rows']} rows with seed "
                              f"{state['seed']}; this run has {len(self.pool.rows)} rows, seed {self.seed}")
         # (checkpoints written before rows_hash existed carry none: the size check above is all they get)
-        if state.get("rows_hash", self.rows_hash()) != self.rows_hash():
+        if (saved := state.get("rows_hash")) is not None and saved != (here := self.rows_hash()):
             raise ValueError(f"PoolCursor: checkpoint drew from another pool than {self.pool.path} (same "
-                             f"size, other rows: hash {state['rows_hash']} != {self.rows_hash()}); resume "
-                             "with the pool file the run started with")
+                             f"size, other rows: hash {saved} != {here}); resume with the pool file the run "
+                             "started with")
         self.draws = int(state["draws"])
 
 

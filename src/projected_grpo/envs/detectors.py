@@ -231,7 +231,7 @@ def _exit_loophole(tree: ast.Module, checks: _RealChecks) -> bool:
     alias = {a.asname: a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names
              if a.asname}
     for n in ast.walk(tree):
-        if isinstance(n, ast.Call) and alias.get(_called_name(n), _called_name(n)) in _EXIT_NAMES:
+        if isinstance(n, ast.Call) and alias.get(name := _called_name(n), name) in _EXIT_NAMES:
             code = n.args[0] if n.args else None
             if code is None or not (isinstance(code, ast.Constant) and code.value not in (0, None, False)):
                 return True
