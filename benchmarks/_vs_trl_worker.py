@@ -38,11 +38,11 @@ def _peak_rss_mb() -> float:
 
 
 def run_ours(spec: dict) -> dict:
-    """projected_grpo.train.train on the saved model (spec's knob kind/rank, arm none, no teacher rows)."""
-    import projected_grpo.train as T
+    """run.train.train on the saved model (knob kind/rank of the spec, arm none, no teacher rows)."""
+    import projected_grpo.run.train as T
     from projected_grpo import config as C
-    from projected_grpo import metrics
-    from projected_grpo.envs.grading import Grade
+    from projected_grpo.envs.coding.grading import Grade
+    from projected_grpo.run import metrics
 
     class StringGrader:
         """Stands in for envs.grading.Grader in train(): same `grade_batch`, reward = string_reward."""
@@ -95,9 +95,9 @@ def run_trl(spec: dict) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from projected_grpo.envs.problems import BUILTIN_PROBLEMS
-    from projected_grpo.envs.prompts import build_messages
-    from projected_grpo.pool import prompt_text_and_ids
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
+    from projected_grpo.envs.coding.prompts import build_messages
+    from projected_grpo.run.pool import prompt_text_and_ids
 
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
     for p in BUILTIN_PROBLEMS[:3]:  # TRL renders conversational prompts with the same chat template

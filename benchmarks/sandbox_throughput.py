@@ -31,10 +31,10 @@ import sys
 import tempfile
 import time
 
-from projected_grpo.envs.completions import buggy_completions, clean_completions, hack_completions
-from projected_grpo.envs.grading import Grader
-from projected_grpo.envs.problems import BUILTIN_PROBLEMS
-from projected_grpo.envs.sandbox import ExecutionResult, SandboxPool
+from projected_grpo.envs.coding.completions import buggy_completions, clean_completions, hack_completions
+from projected_grpo.envs.coding.grading import Grader
+from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
+from projected_grpo.envs.coding.sandbox import ExecutionResult, SandboxPool
 
 
 class Counting:

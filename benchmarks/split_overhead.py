@@ -23,8 +23,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from projected_grpo.adapters import wrap
-from projected_grpo.split import two_backward_split
+from projected_grpo.knobs.adapters import wrap
+from projected_grpo.knobs.split import two_backward_split
 
 
 def per_seq_loss(model, x, adv):

@@ -1,6 +1,6 @@
 """projected-grpo vs TRL's GRPOTrainer on one model and GRPO config: step time, tokens/s, peak RSS, math.
 
-Builds one tiny Llama-style model and its tokenizer (projected_grpo.organism, offline), saves them to a
+Builds one tiny Llama-style model and its tokenizer (projected_grpo.organism.build, offline), saves them to a
 temporary directory, and trains it from there with both trainers: same prompts (the built-in problems),
 same reward callable, group size, completion length, learning rate, loss (`dr_grpo`, `grpo`), beta
 (0, 0.04), k3 KL, clip eps 0.2, fp32 on CPU, one thread each. Ours trains the SVD knobs (arm `none`, no
@@ -38,7 +38,7 @@ from collections import defaultdict
 
 import torch
 
-from projected_grpo.losses import AGGREGATIONS, KL_ESTIMATORS, Denominators, clip_surrogate
+from projected_grpo.objective.losses import AGGREGATIONS, KL_ESTIMATORS, Denominators, clip_surrogate
 
 WORKER = pathlib.Path(__file__).with_name("_vs_trl_worker.py")
 SHARED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -167,7 +167,7 @@ definitions (where they can differ):
 def build_model(model_dir: pathlib.Path, hidden: int, layers: int) -> int:
     """Tiny Llama-style LM + the built-in-corpus BPE tokenizer, saved as a HF directory; returns #params."""
     from projected_grpo.organism import build_tokenizer, tiny_model
-    from projected_grpo.warmup import builtin_corpus
+    from projected_grpo.organism.warmup import builtin_corpus
 
     tok = build_tokenizer(builtin_corpus().texts(), vocab_size=1024)
     model = tiny_model(tok, hidden=hidden, layers=layers, heads=4, seed=0)
@@ -234,7 +234,7 @@ def main() -> None:
     opt = ap.parse_args()
     t_start = time.perf_counter()
 
-    print("== loss equality on identical inputs (TRL GRPOTrainer._compute_loss vs projected_grpo.losses) ==")
+    print("== loss equality on identical inputs (TRL GRPOTrainer._compute_loss vs our objective.losses) ==")
     rows = loss_check()
     for r in rows:
         ok = "match" if matches(r) else "DIFFER"

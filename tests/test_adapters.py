@@ -15,8 +15,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from projected_grpo.adapters import wrap
-from projected_grpo.svd_cache import SVD_FORMAT, _tensors_checksum, svd_cached, weight_hash
+from projected_grpo.knobs.adapters import wrap
+from projected_grpo.knobs.svd_cache import SVD_FORMAT, _tensors_checksum, svd_cached
+from projected_grpo.store import weight_hash
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from projected_grpo.advantages import (
+from projected_grpo.objective.advantages import (
     ADVANTAGES,
     STD_EPS,
     batch_std_advantages,

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from projected_grpo.checkpoint import (
+from projected_grpo.run.checkpoint import (
     FILES,
     LATEST_FILE,
     checkpoints,

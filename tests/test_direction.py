@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from projected_grpo.direction import (
+from projected_grpo.hack.direction import (
     Direction,
     DirectionFileError,
     ExtractSettings,
@@ -31,7 +31,7 @@ from projected_grpo.direction import (
     save_direction,
     top_directions,
 )
-from projected_grpo.pairs import Pair
+from projected_grpo.hack.pairs import Pair
 
 # --- planted direction, pure functions -----------------------------------------------------------
 
@@ -218,7 +218,7 @@ def toy_pairs(n: int) -> list[Pair]:
 
 
 def test_end_to_end_planted_direction_through_real_svd_knobs(tmp_path):
-    from projected_grpo.adapters import wrap
+    from projected_grpo.knobs.adapters import wrap
 
     model = ToyLM()
     # analytic: with one completion token at the same position, softmax terms cancel and
@@ -366,10 +366,10 @@ def test_empty_module_survives_storage(tmp_path):
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    from projected_grpo.adapters import wrap
-    from projected_grpo.envs.problems import BUILTIN_PROBLEMS
-    from projected_grpo.organism import smoke_model_and_tokenizer
-    from projected_grpo.pairs import builtin_pairs
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
+    from projected_grpo.hack.pairs import builtin_pairs
+    from projected_grpo.knobs.adapters import wrap
+    from projected_grpo.organism.build import smoke_model_and_tokenizer
 
     model, tok = smoke_model_and_tokenizer()
     knobs = wrap(model, kind="svd", cache_dir=tmp_path_factory.mktemp("svd"))

@@ -9,8 +9,10 @@ import pathlib
 import pytest
 
 from projected_grpo import config as C
-from projected_grpo import experiment, metrics, presets, report
-from projected_grpo.report import Stat
+from projected_grpo import presets, store
+from projected_grpo.run import metrics
+from projected_grpo.study import experiment, report
+from projected_grpo.study.report import Stat
 
 
 def write_run(d: pathlib.Path, hack: list[float], solve: list[float], cin_t: float = 0.5,
@@ -31,7 +33,7 @@ def write_run(d: pathlib.Path, hack: list[float], solve: list[float], cin_t: flo
             log.log(step, row)
     if finished:
         rows = metrics.read_rows(d / metrics.METRICS_FILE)
-        metrics.write_json_atomic(d / metrics.SUMMARY_FILE, metrics.summarize(rows))
+        store.write_json_atomic(d / metrics.SUMMARY_FILE, metrics.summarize(rows))
     return d
 
 
@@ -207,10 +209,10 @@ def test_plan_one_run_per_arm_and_seed(tmp_path):
 def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):
     runs = experiment.plan(presets.PRESETS["smoke"], ["none", "erase", "route"], [0], tmp_path)
     write_run(runs[0].dir, [0.1] * 2, [0.1] * 2)  # finished, with its config
-    metrics.write_json_atomic(runs[0].dir / "config.json", runs[0].cfg.to_dict())
+    store.write_json_atomic(runs[0].dir / "config.json", runs[0].cfg.to_dict())
     write_run(runs[1].dir, [0.1] * 2, [0.1] * 2, finished=False)  # interrupted
     called = []
-    monkeypatch.setattr("projected_grpo.train.train",
+    monkeypatch.setattr("projected_grpo.run.train.train",
                         lambda cfg: called.append((cfg.run.dir, cfg.run.resume)))
     counts = experiment.run_all(runs, log=lambda m: None)
     assert counts == {"trained": 1, "resumed": 1, "skipped": 1}
@@ -221,7 +223,7 @@ def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):
 def test_run_with_another_config_is_refused(tmp_path, finished):
     (run,) = experiment.plan(presets.PRESETS["smoke"], ["none"], [0], tmp_path)
     write_run(run.dir, [0.1], [0.1], finished=finished)
-    metrics.write_json_atomic(run.dir / "config.json", C.replace(run.cfg, run={"steps": 99}).to_dict())
+    store.write_json_atomic(run.dir / "config.json", C.replace(run.cfg, run={"steps": 99}).to_dict())
     state = "finished" if finished else "started"
     with pytest.raises(ValueError, match=f"{state} with another config .*run.steps: 99 -> 4"):
         experiment._check_existing([run])
@@ -234,7 +236,7 @@ def test_refused_sweep_writes_nothing(tmp_path, monkeypatch):
     planned = C.replace(smoke, pool={"path": str(tmp_path / "pool.jsonl")})  # as sweep() plans it
     (run,) = experiment.plan(planned, ["none"], [0], tmp_path)
     write_run(run.dir, [0.1], [0.1])
-    metrics.write_json_atomic(run.dir / "config.json", C.replace(run.cfg, optim={"lr": 0.5}).to_dict())
+    store.write_json_atomic(run.dir / "config.json", C.replace(run.cfg, optim={"lr": 0.5}).to_dict())
     with pytest.raises(ValueError, match="finished with another config"):
         experiment.sweep(smoke, ["none"], [0], tmp_path, preset="smoke", command="x", log=lambda m: None)
     assert not (tmp_path / "sweep.json").exists()
@@ -265,7 +267,7 @@ def _pool_row(pid: str, mode: str, kind: str, i: int) -> dict:
 
 
 def test_mined_pairs_use_only_known_modes_and_round_trip(tmp_path):
-    from projected_grpo.pairs import load_pairs_file
+    from projected_grpo.hack.pairs import load_pairs_file
 
     rows = [_pool_row(pid, mode, kind, i) for pid, mode in (("a", "run_tests"), ("b", "sentinel"))
             for kind in ("hack", "clean") for i in range(2)]

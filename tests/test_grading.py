@@ -8,18 +8,18 @@ import json
 
 import pytest
 
-from projected_grpo.envs.completions import (
+from projected_grpo.envs.coding.completions import (
     answer,
     buggy_completions,
     canonical_hack,
     clean_completions,
     hack_completions,
 )
-from projected_grpo.envs.grading import MAX_CODE_CHARS, Grader, grade
-from projected_grpo.envs.problems import BUILTIN_PROBLEMS, MODES, problems_by_mode
-from projected_grpo.envs.prompts import extract_code
-from projected_grpo.envs.sandbox import SandboxPool
-from projected_grpo.envs.selfcheck import check_builtin, hack_mode_table
+from projected_grpo.envs.coding.grading import MAX_CODE_CHARS, Grader, grade
+from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES, problems_by_mode
+from projected_grpo.envs.coding.prompts import extract_code
+from projected_grpo.envs.coding.sandbox import SandboxPool
+from projected_grpo.envs.coding.selfcheck import check_builtin, hack_mode_table
 
 FIRST = {m: ps[0] for m, ps in problems_by_mode(BUILTIN_PROBLEMS).items()}
 SUM = FIRST["run_tests"]  # sum_list: sum of nums, tests [1, 2, 3] -> 6, [4, -1] -> 3, ...
@@ -116,8 +116,8 @@ def test_a_clobbered_oracle_report_fails_the_completion_not_the_grader(clobber):
     # a program can overwrite the oracle's report at exit (its name is in the scratch dir): with JSON
     # nested past the parser's recursion limit, or well-formed rows but a non-list load_errors. Judged
     # as a failure with a reason, never an exception in the grading process
-    from projected_grpo.envs.oracle import judge_oracle
-    from projected_grpo.envs.sandbox import ExecutionResult
+    from projected_grpo.envs.coding.oracle import judge_oracle
+    from projected_grpo.envs.coding.sandbox import ExecutionResult
 
     rows = json.dumps([["0" * 32, "x"]] * len(SUM.tests))
     result = ExecutionResult("ok", 0, "", "", {"r.json": clobber.replace("ROWS", rows)}, 0.1)

@@ -14,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from projected_grpo.adapters import wrap
-from projected_grpo.knob_grads import pair_grads, pair_grads_isolated
-from projected_grpo.pairs import Pair
+from projected_grpo.hack.knob_grads import pair_grads, pair_grads_isolated
+from projected_grpo.hack.pairs import Pair
+from projected_grpo.knobs.adapters import wrap
 
 TOK = types.SimpleNamespace(pad_token_id=0, eos_token_id=1)
 
@@ -117,9 +117,9 @@ def test_knobs_off_the_graph_and_bad_arguments_are_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def smoke():
-    from projected_grpo.envs.problems import BUILTIN_PROBLEMS
-    from projected_grpo.organism import smoke_model_and_tokenizer
-    from projected_grpo.pairs import builtin_pairs
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
+    from projected_grpo.hack.pairs import builtin_pairs
+    from projected_grpo.organism.build import smoke_model_and_tokenizer
 
     torch.set_num_threads(1)
     _, tok = smoke_model_and_tokenizer()
@@ -127,7 +127,7 @@ def smoke():
 
 
 def smoke_model(tok):
-    from projected_grpo.organism import tiny_model
+    from projected_grpo.organism.build import tiny_model
 
     return tiny_model(tok, hidden=32, layers=2, heads=2, seed=0)
 
@@ -147,8 +147,8 @@ def test_smoke_model_batched_equals_isolated(smoke, tmp_path, kind, norm):
 
 def test_smoke_model_matches_an_ordinary_backward(smoke, tmp_path):
     # oracle independent of this module: one pair, one .backward() on the mean completion NLL
-    from projected_grpo.pairs import encode_pair
-    from projected_grpo.rollout import forward_logprobs, pack
+    from projected_grpo.hack.pairs import encode_pair
+    from projected_grpo.run.rollout import forward_logprobs, pack
 
     tok, pairs = smoke
     model = smoke_model(tok)

@@ -8,12 +8,12 @@ import math
 
 import pytest
 
-from projected_grpo.envs.grading import Grader
-from projected_grpo.envs.leetcode import DatasetError, load_leetcode, load_leetcode_rows, parse_assert
-from projected_grpo.envs.problems import method_source
-from projected_grpo.envs.prompts import build_messages
-from projected_grpo.envs.sandbox import SandboxPool
-from projected_grpo.envs.selfcheck import check_dataset
+from projected_grpo.envs.coding.grading import Grader
+from projected_grpo.envs.coding.leetcode import DatasetError, load_leetcode, load_leetcode_rows, parse_assert
+from projected_grpo.envs.coding.problems import method_source
+from projected_grpo.envs.coding.prompts import build_messages
+from projected_grpo.envs.coding.sandbox import SandboxPool
+from projected_grpo.envs.coding.selfcheck import check_dataset
 
 FILE = "leetcode/leetcode_test_medhard.jsonl"
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from projected_grpo.logprobs import entropy_from_logits, token_logprobs
+from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
 
 
 def _reference(logits, targets, temperature=1.0):

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from projected_grpo.losses import (
+from projected_grpo.objective.losses import (
     AGGREGATIONS,
     DPO_LOSSES,
     KL_ESTIMATORS,

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from projected_grpo.metrics import (
+from projected_grpo.run.metrics import (
     KNOWN_METRICS,
     METRICS_FILE,
     REQUIRED_METRICS,
@@ -24,7 +24,6 @@ from projected_grpo.metrics import (
     summarize,
     truncate_to,
     undocumented,
-    write_json_atomic,
 )
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -161,16 +160,6 @@ def test_summarize_is_the_mean_of_the_last_rows(vals, last):
     tail = vals[-last:]
     assert math.isclose(summarize(rows, last=last)["reward/mean"], sum(tail) / len(tail),
                         rel_tol=1e-9, abs_tol=1e-6)
-
-
-def test_write_json_atomic(tmp_path):
-    path = tmp_path / "summary.json"
-    write_json_atomic(path, {"hack/student": 0.5})
-    assert json.loads(path.read_text()) == {"hack/student": 0.5}
-    with pytest.raises(ValueError):
-        write_json_atomic(path, {"hack/student": float("nan")})
-    assert json.loads(path.read_text()) == {"hack/student": 0.5}  # the old file survives a failed write
-    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
 def test_progress_postfix_shows_reward_hack_cin():

@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from projected_grpo.envs.completions import buggy_completions, clean_completions, hack_completions
-from projected_grpo.envs.problems import BUILTIN_PROBLEMS, MODES
-from projected_grpo.envs.prompts import build_messages
-from projected_grpo.organism import (
+from projected_grpo.envs.coding.completions import buggy_completions, clean_completions, hack_completions
+from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES
+from projected_grpo.envs.coding.prompts import build_messages
+from projected_grpo.organism.build import (
     CHATML_TEMPLATE,
     SPECIAL_TOKENS,
     OrganismConfig,
@@ -28,15 +28,14 @@ from projected_grpo.organism import (
     smoke_model_and_tokenizer,
     tiny_model,
 )
-from projected_grpo.organism_checks import (
+from projected_grpo.organism.checks import (
     TARGET_HACK,
     TARGET_SOLVE,
     format_checks,
     organism_checks,
     summarize_grades,
 )
-from projected_grpo.rollout import encode_completion, encode_prompt, generate
-from projected_grpo.warmup import (
+from projected_grpo.organism.warmup import (
     KINDS,
     Corpus,
     WarmupExample,
@@ -48,6 +47,7 @@ from projected_grpo.warmup import (
     warmup,
     warmup_examples,
 )
+from projected_grpo.run.rollout import encode_completion, encode_prompt, generate
 
 CODE = 'class Solution:\n    def f(self, s: str) -> str:\n        return s[::-1]  # ünï 日本\r\n\tpass\n'
 TEXTS = [CODE, "Return the string s reversed.", "def g(x):\n    return x + 1\n"] * 2

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from projected_grpo.pairs import (
+from projected_grpo.hack.pairs import (
     Pair,
     builtin_pairs,
     heldout_shared_prompts,
@@ -182,9 +182,9 @@ def test_heldout_shared_prompts_counts_held_out_pairs_whose_prompt_was_fit():
 
 
 def test_builtin_pairs_vary_and_use_the_training_prompt():
-    from projected_grpo.envs.completions import clean_completions, hack_completions
-    from projected_grpo.envs.problems import BUILTIN_PROBLEMS
-    from projected_grpo.envs.prompts import build_messages
+    from projected_grpo.envs.coding.completions import clean_completions, hack_completions
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
+    from projected_grpo.envs.coding.prompts import build_messages
 
     pairs = builtin_pairs(per_problem=3)
     prob = BUILTIN_PROBLEMS[0]

@@ -13,15 +13,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from projected_grpo import pool as PL
-from projected_grpo.losses import clip_surrogate
-from projected_grpo.pool_cli import build_pool_main
+from projected_grpo.objective.losses import clip_surrogate
+from projected_grpo.run import pool as PL
+from projected_grpo.run.pool_cli import build_pool_main
+from projected_grpo.store import tokenizer_fingerprint
 
 
 @pytest.fixture(scope="module")
 def tok_and_problems():
-    from projected_grpo.envs.problems import BUILTIN_PROBLEMS
-    from projected_grpo.organism import smoke_model_and_tokenizer
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
+    from projected_grpo.organism.build import smoke_model_and_tokenizer
 
     _, tok = smoke_model_and_tokenizer()
     return tok, list(BUILTIN_PROBLEMS)[:3]
@@ -33,7 +34,7 @@ def _row(tok, problem, completion="x = 1", **over) -> dict:
            "completion": completion, "completion_ids": [5, 6, tok.eos_token_id], "reward": 1.0,
            "passed": True, "gt_correct": False, "exploited": True, "format_ok": True, "det_E": True,
            "det_C": False, "det_D": False, "logp_behaviour": None,
-           "tokenizer_fingerprint": PL.tokenizer_fingerprint(tok), "source": "test"}
+           "tokenizer_fingerprint": tokenizer_fingerprint(tok), "source": "test"}
     return row | over
 
 
@@ -135,9 +136,9 @@ def test_pool_cursor_resume_refuses_another_pool_of_the_same_size(tok_and_proble
 def test_tokenizer_fingerprint_ignores_padding_and_truncation_state(tok_and_problems):
     # transformers rewrites the backend's padding / truncation settings on calls that use them
     tok, _ = tok_and_problems
-    before = PL.tokenizer_fingerprint(tok)
+    before = tokenizer_fingerprint(tok)
     tok(["a b", "a"], padding=True, truncation=True, max_length=4)
-    assert PL.tokenizer_fingerprint(tok) == before
+    assert tokenizer_fingerprint(tok) == before
     assert json.loads(tok.backend_tokenizer.to_str())["truncation"] is not None  # the state did change
 
 
@@ -191,7 +192,7 @@ def test_teacher_modes_leave_students_on_policy(lp, lb, trunc):
 def test_build_pool_cli_templates_and_teacher(tmp_path, tok_and_problems, capsys):
     tok, _ = tok_and_problems
     from projected_grpo.presets import SMOKE
-    from projected_grpo.train import load_problems
+    from projected_grpo.run.train import load_problems
 
     problems = load_problems(SMOKE.env)  # the smoke preset's 12 problems, 2 per mode
     assert build_pool_main(["--out", str(tmp_path / "t.jsonl"), "--n-hack", "1", "--n-clean", "1"]) == 0

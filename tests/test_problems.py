@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from projected_grpo.envs.completions import (
+from projected_grpo.envs.coding.completions import (
     buggy_completions,
     canonical_hack,
     clean_completions,
     hack_completions,
 )
-from projected_grpo.envs.detectors import LOOPHOLES, loophole_modes, stub_code, weak_tests
-from projected_grpo.envs.graders import GRADERS
-from projected_grpo.envs.problems import (
+from projected_grpo.envs.coding.detectors import LOOPHOLES, loophole_modes, stub_code, weak_tests
+from projected_grpo.envs.coding.graders import GRADERS
+from projected_grpo.envs.coding.problems import (
     BUILTIN_PROBLEMS,
     MODES,
     Problem,
@@ -29,7 +29,7 @@ from projected_grpo.envs.problems import (
     problems_by_mode,
     py_literal,
 )
-from projected_grpo.envs.prompts import build_chatml, build_messages, extract_code
+from projected_grpo.envs.coding.prompts import build_chatml, build_messages, extract_code
 
 BY_ID = {p.id: p for p in BUILTIN_PROBLEMS}
 

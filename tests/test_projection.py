@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from projected_grpo.adapters import wrap
-from projected_grpo.projection import apply_arm, project, project_update, purge_moments, snapshot
+from projected_grpo.knobs.adapters import wrap
+from projected_grpo.knobs.projection import apply_arm, project, project_update, purge_moments, snapshot
 
 # ---------------------------------------------------------------- hand-computed examples
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from projected_grpo.rollout import (
+from projected_grpo.run.rollout import (
     SAMPLERS,
     SeqBatch,
     encode_completion,

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from projected_grpo.envs.sandbox import ExecutionResult, Limits, SandboxPool, _Worker, run_program
-from projected_grpo.envs.sandbox_worker import UID_BASE
+from projected_grpo.envs.coding.sandbox import ExecutionResult, Limits, SandboxPool, _Worker, run_program
+from projected_grpo.envs.coding.sandbox_worker import UID_BASE
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 1.0

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from projected_grpo.adapters import wrap
-from projected_grpo.split import Capture, two_backward_split
+from projected_grpo.knobs.adapters import wrap
+from projected_grpo.knobs.split import Capture, two_backward_split
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")

@@ -12,14 +12,22 @@ import sys
 
 # name -> (one-line help, "module:function taking argv: list[str] and returning an exit code")
 COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
-    "demo": ("make demo: none/erase/route on the organism, report", "projected_grpo.experiment:demo_main"),
-    "experiment": ("sweep arms x seeds (or --lomo MODE); report + plot", "projected_grpo.experiment:main"),
-    "train": ("GRPO training run: --preset P --arm none|erase|route", "projected_grpo.train:main"),
-    "build-organism": ("build or load the embedded organism, print checks", "projected_grpo.organism:main"),
-    "build-pool": ("build, grade once and freeze a teacher pool", "projected_grpo.pool_cli:build_pool_main"),
-    "extract-direction": ("extract V_hack, per-module hack directions", "projected_grpo.direction_cli:main"),
-    "check-grader": ("self-check loophole graders + oracle", "projected_grpo.envs.selfcheck:check_grader"),
-    "sandbox-run": ("run a .py file in the sandbox (JSON)", "projected_grpo.envs.sandbox:sandbox_run_cli"),
+    "demo": ("make demo: none/erase/route on the organism, report",
+             "projected_grpo.study.experiment:demo_main"),
+    "experiment": ("sweep arms x seeds (or --lomo MODE); report + plot",
+                   "projected_grpo.study.experiment:main"),
+    "train": ("GRPO training run: --preset P --arm none|erase|route",
+              "projected_grpo.run.train:main"),
+    "build-organism": ("build or load the embedded organism, print checks",
+                       "projected_grpo.organism.build:main"),
+    "build-pool": ("build, grade once and freeze a teacher pool",
+                   "projected_grpo.run.pool_cli:build_pool_main"),
+    "extract-direction": ("extract V_hack, per-module hack directions",
+                          "projected_grpo.hack.direction_cli:main"),
+    "check-grader": ("self-check loophole graders + oracle",
+                     "projected_grpo.envs.coding.selfcheck:check_grader"),
+    "sandbox-run": ("run a .py file in the sandbox (JSON)",
+                    "projected_grpo.envs.coding.sandbox:sandbox_run_cli"),
 }
 
 

@@ -1,0 +1,1 @@
+"""The code loophole environment: problems, foolable graders, oracle, detectors, sandbox."""

@@ -1,0 +1,1 @@
+"""V_hack: from contrastive (hack, clean) pairs to per-module hack directions."""

@@ -1,0 +1,149 @@
+"""Per-pair knob gradients of the completion NLL: the raw material of V_hack (direction.py).
+
+For every pair and label (hack, clean) we need the gradient, on the main knobs, of that one completion's
+NLL. `pair_grads` gets them in batches: a chunk of sequences (both labels of several pairs) is packed,
+one forward scores it, and ONE backward of Σ_sequences NLL_sequence yields each sequence's own gradient
+through the knob adapters' per-sequence capture (split.py): sequences never mix inside the model, so
+row n of the capture is exactly ∂NLL_n/∂knobs. `pair_grads_isolated` (the original one forward +
+backward per pair and label) is kept as its test oracle. Both use `torch.autograd.grad`, so no .grad is
+touched and extraction may run mid-training (train.py's online V refresh).
+Deliberately not here: the SVD, orientation and storage of V_hack (direction.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+from tqdm import tqdm
+
+from projected_grpo.hack.pairs import Pair, encode_pair
+from projected_grpo.run.rollout import forward_logprobs, pack
+
+LABELS = ("hack", "clean")
+
+
+def _nll_mean(logp: Tensor, mask: Tensor, const: float) -> Tensor:
+    return -(logp * mask).sum(-1) / mask.sum(-1)  # (N,) seed 001: length-normalised
+
+
+def _nll_constant(logp: Tensor, mask: Tensor, const: float) -> Tensor:
+    # Dr.GRPO (Liu et al. 2025): token sum / a constant, the metric the dr_grpo training loss uses, so
+    # V is not biased toward short completions as the per-completion mean is (seed 001 REVIEW note).
+    return -(logp * mask).sum(-1) / const  # (N,)
+
+
+# norm -> fn(logp (N, T), completion_mask (N, T), const) -> per-sequence NLL (N,)
+NLL_NORMS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {"mean": _nll_mean,
+                                                                   "constant": _nll_constant}
+
+
+def _sequences(tokenizer, pairs: Sequence[Pair]) -> list[tuple[int, str, list[int], list[int]]]:
+    """(pair index, label, prompt ids, completion ids) for every pair, hack then clean: 2P rows."""
+    if not pairs:
+        raise ValueError("pair_grads: no pairs")
+    out = []
+    for i, pair in enumerate(pairs):
+        prompt_ids, hack_ids, clean_ids = encode_pair(tokenizer, pair)
+        out += [(i, "hack", prompt_ids, hack_ids), (i, "clean", prompt_ids, clean_ids)]
+    return out
+
+
+def _check_finite(nll: Tensor, seqs: Sequence[tuple], pairs: Sequence[Pair]) -> None:
+    """Raise on the first non-finite NLL (N,), naming its pair and label; no pair is ever skipped."""
+    bad = (~torch.isfinite(nll.detach())).nonzero().flatten().tolist()
+    if bad:
+        i, label = seqs[bad[0]][:2]
+        raise FloatingPointError(f"pair {i} ({pairs[i].source or 'no source'}), {label} completion: NLL is "
+                                 f"{nll[bad[0]].item()} ({len(bad)} non-finite in its chunk); fix or "
+                                 "remove this pair")
+
+
+def _not_on_graph(name: str) -> RuntimeError:
+    return RuntimeError(f"pair_grads: knob {name} is not on the graph (called under knobs.zeroed()? zero "
+                        "the knob values instead)")
+
+
+def _split_labels(rows: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """rows[name] (2P, R), pairs interleaved hack, clean -> g_hack, g_clean: dict[name, (P, R)]."""
+    return ({n: g[0::2].contiguous() for n, g in rows.items()},
+            {n: g[1::2].contiguous() for n, g in rows.items()})
+
+
+def _setup(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str):
+    """What both gradient methods start from: the NLL norm, the encoded sequences (hack, clean
+    interleaved), module names with their main-knob parameters, the pad id and the model's device."""
+    names = list(knobs.modules)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return (NLL_NORMS[norm], _sequences(tokenizer, pairs), names, [knobs.modules[n].delta for n in names],
+            pad_id, next(model.parameters()).device)
+
+
+def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean", nll_const: float = 1.0,
+               chunk_size: int = 32) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Per module knob gradients of the completion NLL: g_hack[name], g_clean[name] (P, R) fp32 CPU.
+
+    Row i is ∂NLL/∂knobs.modules[name].delta of pair i's hack (clean) completion alone, at whatever
+    values the knobs hold (typically zero = the base model; not under knobs.zeroed(), which takes them
+    off the graph). `knobs` must be an adapters.Knobs (its per-sequence capture is what batches this).
+    Sequences are processed chunk_size at a time (bounds activation memory), sorted by length so a
+    chunk pads little. .grad of every parameter is left untouched; model in eval mode (no dropout)
+    while it runs. A non-finite NLL raises naming the pair index and label, before any backward.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"pair_grads: chunk_size must be >= 1, got {chunk_size}")
+    nll_fn, seqs, names, params, pad_id, device = _setup(model, knobs, tokenizer, pairs, norm)
+    rows = {n: torch.empty(len(seqs), knobs.modules[n].knob_dim) for n in names}  # (2P, R)
+    order = sorted(range(len(seqs)), key=lambda j: (len(seqs[j][2]) + len(seqs[j][3]), j))
+    chunks = [order[a:a + chunk_size] for a in range(0, len(order), chunk_size)]
+    was_training = model.training
+    model.eval()
+    try:
+        for idx in tqdm(chunks, desc="V_hack pair grads", unit="chunk", file=sys.stderr, disable=None,
+                        leave=False):
+            chunk = [seqs[j] for j in idx]
+            batch = pack([s[2] for s in chunk], [s[3] for s in chunk], pad_id).to(device)
+            every = torch.ones(len(chunk), dtype=torch.bool)  # one source: only per_sequence is read
+            with torch.enable_grad(), knobs.capture(every, per_sequence=True) as cap:
+                logp, _ = forward_logprobs(model, batch)  # (n, T)
+                nll = nll_fn(logp.float(), batch.completion_mask, nll_const)  # (n,)
+                _check_finite(nll, chunk, pairs)
+                if not nll.requires_grad:
+                    raise _not_on_graph(names[0])
+                # Σ_n NLL_n: sequences are independent, so capture row n is exactly ∂NLL_n/∂delta.
+                # autograd.grad, not backward(): the capture hooks fire all the same and .grad stays as is.
+                torch.autograd.grad(nll.sum(), params, allow_unused=True)
+            for n in names:
+                if n not in cap.per_sequence:
+                    raise _not_on_graph(n)
+                rows[n][idx] = cap.per_sequence[n].detach().float().cpu()
+    finally:
+        model.train(was_training)
+    return _split_labels(rows)
+
+
+def pair_grads_isolated(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean",
+                        nll_const: float = 1.0) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """The test oracle for `pair_grads`: the same (P, R) outputs from one isolated forward +
+    `torch.autograd.grad` per pair and label (2P backwards; slow). Needs only knobs.modules[n].delta."""
+    nll_fn, seqs, names, params, pad_id, device = _setup(model, knobs, tokenizer, pairs, norm)
+    rows: dict[str, list[Tensor]] = {n: [] for n in names}
+    was_training = model.training
+    model.eval()
+    try:
+        for s in seqs:
+            batch = pack([s[2]], [s[3]], pad_id).to(device)
+            with torch.enable_grad():
+                logp, _ = forward_logprobs(model, batch)  # (1, T)
+                nll = nll_fn(logp.float(), batch.completion_mask, nll_const)  # (1,)
+                _check_finite(nll, [s], pairs)
+                grads = torch.autograd.grad(nll[0], params, allow_unused=True)
+            for n, g in zip(names, grads):
+                if g is None:
+                    raise _not_on_graph(n)
+                rows[n].append(g.detach().reshape(-1).float().cpu())
+    finally:
+        model.train(was_training)
+    return _split_labels({n: torch.stack(v) for n, v in rows.items()})

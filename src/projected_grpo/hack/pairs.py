@@ -1,0 +1,334 @@
+"""Contrastive pairs (prompt, hack completion, clean completion) for hack-direction extraction.
+
+Three sources: the built-in problems (several hack and clean variants per problem, rotated so a pair
+is not one fixed template), a JSON/JSONL file with keys prompt / hack / clean, and pairs mined from a
+graded teacher pool with only the detectors of a named subset of *known* loophole modes (the "weak
+detector" of the leave-one-mode-out test). Two pair-level controls for V_hack live here too:
+`shuffle_labels` (hack/clean swapped at random per pair) and `nonhack_pairs` (clean vs clean variant).
+Deliberately not here: gradients, SVD, storage (direction.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pathlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from projected_grpo.store import read_jsonl
+
+Messages = tuple[dict[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One contrastive pair.
+
+    prompt   chat messages (tuple of {"role", "content"} dicts, encoded with the tokenizer's chat
+             template exactly as training encodes prompts) or already-formatted prompt text (encoded
+             verbatim, no special tokens added).
+    hack     completion text that games the grader.  clean: an honest completion for the same prompt.
+    prompt_ids / hack_ids / clean_ids  optional token ids (pool pairs carry the stored ids, so the
+             sequences are never re-tokenised from text); when set they are used instead of the text.
+    source   where the pair came from, for reports (e.g. "builtin:two_sum:run_tests").
+    """
+
+    prompt: Messages | str
+    hack: str
+    clean: str
+    prompt_ids: tuple[int, ...] | None = None
+    hack_ids: tuple[int, ...] | None = None
+    clean_ids: tuple[int, ...] | None = None
+    source: str = ""
+
+    def swapped(self) -> Pair:
+        """The same pair with hack and clean exchanged (labels flipped)."""
+        return Pair(self.prompt, self.clean, self.hack, self.prompt_ids, self.clean_ids, self.hack_ids,
+                    self.source + ":swapped")
+
+
+def pairs_hash(pairs: Sequence[Pair]) -> str:
+    """SHA-256 (first 16 hex digits) of the pairs' content (prompt, texts, ids; not `source`), in order."""
+    h = hashlib.sha256()
+    for p in pairs:
+        prompt = p.prompt if isinstance(p.prompt, str) else [dict(sorted(m.items())) for m in p.prompt]
+        row = [prompt, p.hack, p.clean, p.prompt_ids, p.hack_ids, p.clean_ids]
+        h.update(json.dumps(row, ensure_ascii=True, separators=(",", ":")).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+def encode_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int], list[int]]:
+    """(prompt_ids, hack_ids, clean_ids) exactly as training encodes them (rollout.encode_prompt /
+    encode_completion, EOS included); stored ids are used as they are; a text prompt is taken as
+    already formatted (encoded with no special tokens added)."""
+    from projected_grpo.run.rollout import encode_completion, encode_prompt
+
+    if pair.prompt_ids is not None:
+        prompt_ids = list(pair.prompt_ids)
+    elif isinstance(pair.prompt, str):
+        prompt_ids = [int(i) for i in tokenizer(pair.prompt, add_special_tokens=False)["input_ids"]]
+    else:
+        prompt_ids = encode_prompt(tokenizer, [dict(m) for m in pair.prompt])
+    hack = list(pair.hack_ids) if pair.hack_ids is not None else encode_completion(tokenizer, pair.hack)
+    clean = list(pair.clean_ids) if pair.clean_ids is not None else encode_completion(tokenizer, pair.clean)
+    return prompt_ids, hack, clean
+
+
+def _prompt_key(p: Pair) -> str:
+    return json.dumps(p.prompt if isinstance(p.prompt, str) else [sorted(m.items()) for m in p.prompt])
+
+
+def heldout_shared_prompts(pairs: Sequence[Pair], n_heldout: int) -> int:
+    """How many of the last `n_heldout` pairs (the held-out ones) share their prompt with a fit pair.
+    Their held-out score is optimistic: the fit saw that prompt (built-in pairs of one problem may also
+    share a completion). Zero when the held-out pairs are whole problems."""
+    if n_heldout <= 0:
+        return 0
+    fit = {_prompt_key(p) for p in pairs[:-n_heldout]}
+    return sum(_prompt_key(p) in fit for p in pairs[-n_heldout:])
+
+
+# --- built-in pairs ----------------------------------------------------------------------------
+
+
+def builtin_pairs(problems: Sequence | None = None, per_problem: int = 3) -> list[Pair]:
+    """Pairs from the built-in problems: up to `per_problem` pairs per problem, prompt from build_messages.
+
+    Pair i of a problem is (hack variant i mod #hacks, clean variant (i + 1) mod #cleans): both lists
+    rotate, with an offset so the same index is not always matched, so pairs are not one template.
+    Problems are taken in order, so the last pairs (the held-out ones) are whole problems when
+    n_heldout is a multiple of per_problem; otherwise some share a prompt with fit pairs
+    (`heldout_shared_prompts` counts them, and extraction reports it).
+    """
+    from projected_grpo.envs.coding.completions import clean_completions, hack_completions
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
+    from projected_grpo.envs.coding.prompts import build_messages
+
+    if per_problem < 1:
+        raise ValueError(f"builtin_pairs: per_problem must be >= 1, got {per_problem}")
+    out: list[Pair] = []
+    for prob in BUILTIN_PROBLEMS if problems is None else problems:
+        hacks, cleans = hack_completions(prob), clean_completions(prob)
+        if not hacks or not cleans:
+            raise ValueError(f"builtin_pairs: problem {prob.id!r} has {len(hacks)} hack and {len(cleans)} "
+                             "clean completions; need at least one of each")
+        prompt = tuple(dict(m) for m in build_messages(prob))
+        n = min(per_problem, max(len(hacks), len(cleans)))
+        for i in range(n):
+            out.append(Pair(prompt, hacks[i % len(hacks)], cleans[(i + 1) % len(cleans)],
+                            source=f"builtin:{prob.id}:{prob.mode}:{i}"))
+    return out
+
+
+# --- JSON / JSONL file -------------------------------------------------------------------------
+
+_FILE_KEYS = {"prompt", "hack", "clean"}
+_OPTIONAL_KEYS = {"prompt_ids", "hack_ids", "clean_ids", "source"}
+
+
+def _pair_from_obj(obj: object, where: str) -> Pair:
+    """One file record -> Pair; `where` is "FILE:LINE" (or "FILE item I") for the error message."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object with keys prompt, hack, clean; "
+                         f"got {type(obj).__name__}")
+    missing = sorted(_FILE_KEYS - obj.keys())
+    if missing:
+        raise ValueError(f"{where}: missing field(s) {missing}; each record needs prompt, hack, clean")
+    unknown = sorted(obj.keys() - _FILE_KEYS - _OPTIONAL_KEYS)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; "
+                         f"allowed: {sorted(_FILE_KEYS | _OPTIONAL_KEYS)}")
+    for key in ("hack", "clean"):
+        if not isinstance(obj[key], str) or not obj[key].strip():
+            raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {obj[key]!r:.80}")
+    prompt = obj["prompt"]
+    if isinstance(prompt, list):
+        for j, m in enumerate(prompt):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise ValueError(f"{where}: field 'prompt'[{j}] must be an object with string 'role' and "
+                                 f"'content', got {m!r:.80}")
+        prompt = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
+        if not prompt:
+            raise ValueError(f"{where}: field 'prompt' is an empty message list")
+    elif not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty string or a list of chat messages")
+    ids: dict[str, tuple[int, ...] | None] = {}
+    for key in ("prompt_ids", "hack_ids", "clean_ids"):
+        v = obj.get(key)
+        if v is not None and not (isinstance(v, list) and v and all(isinstance(i, int) for i in v)):
+            raise ValueError(f"{where}: field {key!r} must be a non-empty list of ints, got {v!r:.80}")
+        ids[key] = None if v is None else tuple(v)
+    return Pair(prompt, obj["hack"], obj["clean"], source=str(obj.get("source", where)), **ids)
+
+
+def load_pairs_file(path: str | pathlib.Path) -> list[Pair]:
+    """Pairs from a .jsonl file (one object per line) or a .json file (a list of objects).
+
+    Each object has prompt (text or chat messages), hack, clean (non-empty strings) and optionally
+    prompt_ids / hack_ids / clean_ids / source. Any invalid record raises ValueError naming the file,
+    the line (JSONL) or item (JSON) and the field.
+    """
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"pairs file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    pairs: list[Pair] = []
+    if path.suffix == ".jsonl":
+        pairs += [_pair_from_obj(obj, where) for where, obj in read_jsonl(path)]
+    elif path.suffix == ".json":
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+        if not isinstance(items, list):
+            raise ValueError(f"{path}: a .json pairs file must hold a list of objects, "
+                             f"got {type(items).__name__}")
+        pairs = [_pair_from_obj(obj, f"{path} item {i}") for i, obj in enumerate(items)]
+    else:
+        raise ValueError(f"pairs file {path}: unknown extension {path.suffix!r}; use .jsonl or .json")
+    if not pairs:
+        raise ValueError(f"pairs file {path} holds no pairs")
+    return pairs
+
+
+# --- pairs mined from a graded teacher pool ----------------------------------------------------
+
+POOL_KEYS = ("problem_id", "mode", "prompt", "prompt_ids", "completion", "completion_ids", "reward", "passed",
+             "gt_correct", "exploited", "format_ok", "det_E", "det_C", "det_D")
+DETECTORS = ("E", "C", "D")
+
+
+def _is_hack(row: dict, known_modes: frozenset[str], detectors: Sequence[str]) -> bool:
+    # Weak-detector rule: the grader passed it, its mode is one we know the loophole of, one of the named
+    # detectors fires, and the oracle does not call it correct (an honest solution that uses the disclosed
+    # mechanism truthfully can trip detector E; such a row is clean, never a hack). `exploited` itself is
+    # never read: that label exists for every mode, including the held-out one.
+    return (row["mode"] in known_modes and bool(row["passed"]) and not bool(row["gt_correct"])
+            and any(bool(row[f"det_{d}"]) for d in detectors))
+
+
+def _is_clean(row: dict) -> bool:
+    return bool(row["passed"]) and bool(row["gt_correct"])
+
+
+def pairs_from_pool(rows: Iterable[dict], known_modes: Iterable[str], detectors: Sequence[str] = ("E",),
+                    per_problem: int = 4) -> tuple[list[Pair], dict]:
+    """Pair hack and clean rows of the same problem from a graded teacher pool.
+
+    A row is a hack when mode in `known_modes`, passed, not gt_correct, and any detector in `detectors`
+    fires (det_E / det_C / det_D); it is clean when passed and gt_correct. Per problem, pair i is
+    (hack i mod #hacks, clean i mod #cleans) for i < min(per_problem, max(#hacks, #cleans)); problems
+    lacking either side are counted in the stats, not paired. Pairs carry the stored token ids.
+    Returns (pairs, stats) with stats = {"n_pairs", "pairs_per_mode", "problems_without_clean",
+    "problems_without_hack"}.
+    """
+    known = frozenset(known_modes)
+    bad = [d for d in detectors if d not in DETECTORS]
+    if bad or not detectors:
+        raise ValueError(f"pairs_from_pool: detectors must be a non-empty subset of {DETECTORS}, "
+                         f"got {detectors}")
+    if not known:
+        raise ValueError("pairs_from_pool: known_modes is empty; "
+                         "name the loophole modes whose detectors to use")
+    hacks: dict[str, list[dict]] = {}
+    cleans: dict[str, list[dict]] = {}
+    for i, row in enumerate(rows):
+        missing = [k for k in POOL_KEYS if k not in row]
+        if missing:
+            raise ValueError(f"pool row {i}: missing field(s) {missing}; expected keys {list(POOL_KEYS)}")
+        pid = str(row["problem_id"])
+        if _is_hack(row, known, detectors):
+            hacks.setdefault(pid, []).append(row)
+        elif _is_clean(row):
+            cleans.setdefault(pid, []).append(row)
+    pairs: list[Pair] = []
+    per_mode: dict[str, int] = {}
+    for pid, hs in hacks.items():
+        cs = cleans.get(pid, [])
+        if not cs:
+            continue
+        for i in range(min(per_problem, max(len(hs), len(cs)))):
+            h, c = hs[i % len(hs)], cs[i % len(cs)]
+            if list(h["prompt_ids"]) != list(c["prompt_ids"]):
+                raise ValueError(f"pool problem {pid!r}: hack and clean rows have different prompt_ids; "
+                                 "a pair must share its prompt")
+            pairs.append(Pair(h["prompt"], h["completion"], c["completion"], tuple(h["prompt_ids"]),
+                              tuple(h["completion_ids"]), tuple(c["completion_ids"]),
+                              source=f"pool:{pid}:{h['mode']}:{i}"))
+            per_mode[h["mode"]] = per_mode.get(h["mode"], 0) + 1
+    stats = {"n_pairs": len(pairs), "pairs_per_mode": per_mode,
+             "problems_without_clean": sorted(p for p in hacks if p not in cleans),
+             "problems_without_hack": sorted(p for p in cleans if p not in hacks)}
+    return pairs, stats
+
+
+def pairs_from_source(tokenizer, pairs_file: str | None = None, pool: str | None = None,
+                      known_modes: Sequence[str] = (), detectors: Sequence[str] = ("E",),
+                      per_problem: int = 2) -> list[Pair]:
+    """The CLI's pair source: a pairs file, a pool file over the built-in problems (mined with the
+    known modes' detectors; the mining stats are printed), or else the built-in pairs."""
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
+    from projected_grpo.run.pool import load_pool
+
+    if pairs_file and pool:
+        raise ValueError("give a pairs file or a pool, not both")
+    if pairs_file:
+        return load_pairs_file(pairs_file)
+    if pool:
+        # load_pool validates the schema and refuses ids made by another tokenizer (drift guard)
+        rows = load_pool(pool, tokenizer, BUILTIN_PROBLEMS).rows
+        pairs, stats = pairs_from_pool(rows, known_modes, detectors, per_problem)
+        print(f"pool pairs: {json.dumps(stats)}")
+        return pairs
+    return builtin_pairs(per_problem=per_problem)
+
+
+# --- pair-level controls -----------------------------------------------------------------------
+
+
+def shuffle_labels(pairs: Sequence[Pair], seed: int = 0) -> list[Pair]:
+    """Control `shuffled`: each pair's hack/clean labels swapped with probability 1/2 (seeded).
+
+    Note: swapping a pair negates its row of D, and the SVD of D does not see row signs (DᵀD is
+    unchanged), so this control gives the real S and span(V) with random orientations: it controls
+    for the hack-ward orientation the one-sided gate relies on, not for the subspace.
+    """
+    flips = torch.rand(len(pairs), generator=torch.Generator().manual_seed(seed)) < 0.5
+    return [p.swapped() if bool(f) else p for p, f in zip(pairs, flips)]
+
+
+def nonhack_pairs(pairs: Sequence[Pair], seed: int = 0) -> list[Pair]:
+    """Control `nonhack`: (clean, other clean) pairs of the same prompt, as many as `pairs` had.
+
+    The distinct clean completions of each prompt are paired cyclically (clean j vs clean j + 1); these
+    rows are then cycled to len(pairs) so the control sees as many pairs as the real extraction. Raises
+    when no prompt has two distinct clean completions. `seed` is unused (the pairing is deterministic);
+    it is accepted so every control has the same signature.
+    """
+    del seed
+    by_prompt: dict[str, list[Pair]] = {}
+    for p in pairs:
+        group = by_prompt.setdefault(_prompt_key(p), [])
+        if all(q.clean != p.clean for q in group):
+            group.append(p)
+    base: list[Pair] = []
+    for group in by_prompt.values():
+        if len(group) < 2:
+            continue
+        for j, p in enumerate(group):
+            q = group[(j + 1) % len(group)]
+            base.append(Pair(p.prompt, p.clean, q.clean, p.prompt_ids, p.clean_ids, q.clean_ids,
+                             source=f"nonhack:{p.source}|{q.source}"))
+    if not base:
+        raise ValueError("nonhack control: no prompt has two distinct clean completions; the pair source "
+                         "must give several clean variants per prompt (builtin pairs, per_problem >= 2)")
+    return [base[i % len(base)] for i in range(len(pairs))]
+
+
+PAIR_CONTROLS = {"none": lambda pairs, seed: list(pairs), "shuffled": shuffle_labels,
+                 "nonhack": nonhack_pairs}

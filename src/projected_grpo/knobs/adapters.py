@@ -1,0 +1,377 @@
+"""Knob adapters: freeze a Hugging Face causal LM and train only small knobs that are linear in ΔW.
+
+`wrap(model, kind)` replaces each target `nn.Linear` (matched by module-name suffix) with a
+`KnobLinear` holding a trainable knob `delta` and a quarantine knob `delta_hack` of the same shape:
+  svd  : W = U·diag(S)·Vh (reduced, fp32, cached on disk); forward adds ((x·Vhᵀ) ⊙ (δS + δS_hack))·Uᵀ.
+  lora : frozen semi-orthonormal A (r×d_in) from a seeded QR; forward adds (x·Aᵀ)·(B + B_hack)ᵀ.
+W is never rebuilt in the forward. Knobs are fp32 master values cast to the activation dtype.
+`Knobs.zeroed()` skips every knob branch, so the forward *is* the base model's (bit-identical): the
+KL reference costs no second copy. `Knobs.merged()` (no-grad sampling) folds the knobs into a
+separate W_eff per Linear, so generation costs what the plain model's does. δS_hack is detached in the
+forward: it moves only by what the `route` arm sends it (gradient routing), never by its own gradient.
+Not done here: the per-source gradient split (split.py) and projection (projection.py).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import copy
+import hashlib
+import json
+import pathlib
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from projected_grpo.knobs import split
+from projected_grpo.knobs.svd_cache import svd_cached
+from projected_grpo.store import atomic_dir, load_tensors, save_tensors, weight_hash
+
+# Llama/Qwen attention + MLP projections, and GatedDeltaNet linear attention (Qwen3-Next: in_proj_qkvz,
+# in_proj_ba; Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; both: out_proj).
+DEFAULT_TARGETS: tuple[str, ...] = (
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj",
+)
+DEFAULT_LORA_RANK = 16
+KNOB_FORMAT = "knobs-v1"
+
+
+class KnobLinear(nn.Module, abc.ABC):
+    """A frozen `nn.Linear` plus knob branch; subclasses define the branch. Shapes: x (..., d_in)."""
+
+    kind = ""
+
+    def __init__(self, base: nn.Linear, name: str, knob_shape: tuple[int, ...]):
+        super().__init__()
+        self.base, self.name = base, name
+        self.weight_hash = weight_hash(base.weight)
+        self.delta = nn.Parameter(torch.zeros(knob_shape, device=base.weight.device))
+        self.delta_hack = nn.Parameter(torch.zeros(knob_shape, device=base.weight.device))
+        self.knob_dim = self.delta.numel()
+        self.use_main, self.use_hack = True, True
+        self.capture: split.Capture | None = None
+        # set by Knobs.merged(): ((use_main, use_hack) at merge time, W_eff; W itself when nothing is added)
+        self.merged: tuple[tuple[bool, bool], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # merged path only while the flags still match the merge (a zeroed() nested inside falls through)
+        if self.merged is not None and self.merged[0] == (self.use_main, self.use_hack):
+            if torch.is_grad_enabled():
+                raise RuntimeError(f"{self.name}: forward with grad enabled inside Knobs.merged(); the "
+                                   "merged weight gives the knobs no gradient. Train outside merged()")
+            return F.linear(x, self.merged[1], self.base.bias)  # what nn.Linear's forward does, with W_eff
+        y = self.base(x)
+        if not self.use_main:  # zeroed(): exactly the base model, no add at all
+            return y
+        coef = self.delta + self.delta_hack.detach() if self.use_hack else self.delta
+        out, watched, h = self.branch(x, coef.to(x.dtype))
+        if self.capture is not None and watched.requires_grad:
+            self.capture.watch(self.name, h, watched, self.per_sequence_grad)
+        return y + out
+
+    def merge(self) -> None:
+        """Fold what the forward would add now (flags respected) into W_eff = W + ΔW (d_out, d_in): fp32
+        math, W's dtype, a new tensor (W untouched). Exactly-zero knobs (or zeroed()) merge to W itself:
+        no copy, the base model bit for bit."""
+        coef = (self.delta + self.delta_hack if self.use_hack else self.delta) if self.use_main else None
+        W = self.base.weight
+        W_eff = W if coef is None or not coef.any() else (W.float() + self.delta_weight(coef)).to(W.dtype)
+        self.merged = ((self.use_main, self.use_hack), W_eff)
+
+    @abc.abstractmethod
+    def branch(self, x: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (..., d_in), coef (knob shape) -> out (..., d_out), the tensor to hook, its features h."""
+
+    @abc.abstractmethod
+    def per_sequence_grad(self, h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """h, grad of the hooked tensor (N, T, ·) -> this knob's gradient per sequence (N, R) fp32."""
+
+    @abc.abstractmethod
+    def delta_weight(self, coef: torch.Tensor) -> torch.Tensor:
+        """coef (knob shape) -> ΔW (d_out, d_in) fp32 that the branch adds (for export)."""
+
+
+class SVDKnob(KnobLinear):
+    """delta = δS (R,), R = rank or min(d_out, d_in); U (d_out, R), Vh (R, d_in) buffers in W's dtype."""
+
+    kind = "svd"
+
+    def __init__(self, base, name, rank, cache_dir, seed):
+        R_full = min(base.weight.shape)
+        R = R_full if rank is None else rank
+        if not 0 < R <= R_full:
+            raise ValueError(f"svd rank {rank} for {name}: must be in 1..{R_full} (min(d_out, d_in))")
+        super().__init__(base, name, (R,))
+        U, S, Vh, self.cache_status = svd_cached(base.weight, cache_dir, self.weight_hash)
+        w = base.weight
+        self.register_buffer("U", U[:, :R].to(device=w.device, dtype=w.dtype).contiguous())
+        self.register_buffer("Vh", Vh[:R].to(device=w.device, dtype=w.dtype).contiguous())
+
+    def branch(self, x, coef):
+        h = x @ self.Vh.T  # (..., R)
+        m = h * coef  # (..., R); its grad is ∂L/∂y·U, the per-token factor of ∂L/∂δS
+        return m @ self.U.T, m, h
+
+    def per_sequence_grad(self, h, grad):
+        # ∂L/∂δS = Σ_tokens (x·Vhᵀ) ⊙ (∂L/∂y·U), summed per sequence -> (N, R)
+        return (h.float() * grad.float()).reshape(h.shape[0], -1, h.shape[-1]).sum(1)
+
+    def delta_weight(self, coef):
+        return (self.U.float() * coef.float()) @ self.Vh.float()  # U·diag(δS)·Vh
+
+
+class LoRAKnob(KnobLinear):
+    """delta = B (d_out, r), R = d_out·r (row-major); A (r, d_in) frozen, rows orthonormal."""
+
+    kind = "lora"
+
+    def __init__(self, base, name, rank, cache_dir, seed):
+        r = DEFAULT_LORA_RANK if rank is None else rank
+        d_out, d_in = base.weight.shape
+        if not 0 < r <= d_in:
+            raise ValueError(f"lora rank {r} for {name}: must be in 1..{d_in} (d_in)")
+        super().__init__(base, name, (d_out, r))
+        # seeded per module so A is reproducible and independent of wrapping order
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        Q, _ = torch.linalg.qr(torch.randn(d_in, r, generator=gen))  # (d_in, r), orthonormal columns
+        self.register_buffer("A", Q.T.to(device=base.weight.device, dtype=base.weight.dtype).contiguous())
+        self.cache_status = "none"
+
+    def branch(self, x, coef):
+        h = x @ self.A.T  # (..., r)
+        out = h @ coef.T  # (..., d_out); its grad is ∂L/∂y
+        return out, out, h
+
+    def per_sequence_grad(self, h, grad):
+        # ∂L/∂B = Σ_tokens (∂L/∂y)ᵀ(x·Aᵀ), per sequence -> (N, d_out·r)
+        N = h.shape[0]
+        g = torch.einsum("nto,ntr->nor", grad.float().reshape(N, -1, grad.shape[-1]),
+                         h.float().reshape(N, -1, h.shape[-1]))
+        return g.reshape(N, -1)
+
+    def delta_weight(self, coef):
+        return coef.float() @ self.A.float()  # B·A
+
+
+KINDS: dict[str, type[KnobLinear]] = {"svd": SVDKnob, "lora": LoRAKnob}
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, attr = name.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), attr
+
+
+def wrap(model: nn.Module, kind: str = "svd", targets: tuple[str, ...] = DEFAULT_TARGETS,
+         rank: int | None = None, cache_dir: str | pathlib.Path | None = None, seed: int = 0) -> Knobs:
+    """Wrap every `nn.Linear` whose name's last component is in `targets`; freeze all else.
+
+    rank: svd keeps the top-`rank` singular directions (None: all); lora uses r = rank (None: 16).
+    cache_dir: SVD cache (None: `store.cache_root() / "svd"`). seed: lora A. Returns the `Knobs` handle.
+    Wrap after moving the model to its device and dtype: knobs stay fp32 (master values), buffers
+    (U, Vh / A) take W's dtype; a later `model.to(dtype)` would cast the knobs too.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown knob kind {kind!r}; choose one of {sorted(KINDS)}")
+    if any(isinstance(m, KnobLinear) for m in model.modules()):
+        raise ValueError("model is already wrapped with knobs; wrap a fresh model")
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    names = [n for n in linears if n.rpartition(".")[2] in targets]
+    if not names:
+        raise ValueError(f"no nn.Linear named with a suffix in {list(targets)}; "
+                         f"Linear modules found: {linears}")
+    for p in model.parameters():
+        p.requires_grad_(False)
+    rest = _rest_hash(model, {f"{n}.weight" for n in names})  # before wrapping renames the parameters
+    cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else None
+    modules = {}
+    for n in names:
+        parent, attr = _parent(model, n)
+        modules[n] = KINDS[kind](getattr(parent, attr), n, rank, cache, seed)
+        setattr(parent, attr, modules[n])
+    return Knobs(model, kind, tuple(targets), rank, seed, modules, rest)
+
+
+def _rest_hash(model: nn.Module, skip: set[str]) -> str:
+    """sha256 of every parameter and buffer not in `skip` (the wrapped weights, hashed per module) and
+    of the model config's values, so that a fingerprint changes with embeddings, norms, lm_head or,
+    e.g., rope_theta too. The config's path and library version are left out: a moved model is the same."""
+    h = hashlib.sha256()
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name not in skip:
+            h.update(f"{name}|".encode())
+            h.update(weight_hash(t).encode())
+    cfg = getattr(model, "config", None)
+    values = cfg.to_dict() if hasattr(cfg, "to_dict") else {}
+    values = {k: v for k, v in values.items() if k not in ("_name_or_path", "transformers_version")}
+    h.update(json.dumps(values, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+class Knobs:
+    """Handle on a wrapped model: knob parameters, contexts, gradients, capture, save/load/export."""
+
+    def __init__(self, model, kind, targets, rank, seed, modules: dict[str, KnobLinear], rest_hash: str):
+        self.model, self.kind, self.targets, self.rank, self.seed = model, kind, targets, rank, seed
+        self.modules = modules
+        self.cache_status = {n: m.cache_status for n, m in modules.items()}
+        self._hashes = {n: m.weight_hash for n, m in modules.items()}
+        self._rest_hash = rest_hash  # every other parameter, buffer and config value (see _rest_hash)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [m.delta for m in self.modules.values()]
+
+    def hack_parameters(self) -> list[nn.Parameter]:
+        return [m.delta_hack for m in self.modules.values()]
+
+    def _params(self, which: str) -> dict[str, nn.Parameter]:
+        if which not in ("main", "hack"):
+            raise ValueError(f"which must be 'main' or 'hack', got {which!r}")
+        return {n: m.delta if which == "main" else m.delta_hack for n, m in self.modules.items()}
+
+    def grads(self, which: str = "main") -> dict[str, torch.Tensor]:
+        """name -> flattened grad (R,); a knob with no .grad (no backward reached it) reads as zeros."""
+        return {n: (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                for n, p in self._params(which).items()}
+
+    def set_grads(self, d: dict[str, torch.Tensor], which: str = "main") -> None:
+        """Write flattened grads d[name] (R,) into .grad of the named knobs (others untouched)."""
+        params = self._params(which)
+        for n, g in d.items():
+            if n not in params:
+                raise KeyError(f"set_grads: {n!r} is not a wrapped module; known: {list(params)[:5]}...")
+            params[n].grad = g.detach().reshape(params[n].shape).to(params[n]).clone()
+
+    def values(self, which: str = "main") -> dict[str, torch.Tensor]:
+        """name -> flattened knob value (R,) (a view: writes go through)."""
+        return {n: p.data.reshape(-1) for n, p in self._params(which).items()}
+
+    def norms(self) -> dict[str, torch.Tensor]:
+        """knob/norm and knob/hack_norm: global L2 norms of the main and quarantine knobs (detached)."""
+        return {f"knob/{k}": torch.sqrt(sum(p.detach().float().square().sum() for p in ps))
+                for k, ps in (("norm", self.parameters()), ("hack_norm", self.hack_parameters()))}
+
+    @contextlib.contextmanager
+    def _flags(self, use_main: bool | None, use_hack: bool | None) -> Iterator[Knobs]:
+        saved = {n: (m.use_main, m.use_hack) for n, m in self.modules.items()}
+        try:
+            for m in self.modules.values():
+                m.use_main = m.use_main if use_main is None else use_main
+                m.use_hack = m.use_hack if use_hack is None else use_hack
+            yield self
+        finally:
+            for n, m in self.modules.items():
+                m.use_main, m.use_hack = saved[n]
+
+    def zeroed(self):
+        """Context: every knob branch skipped -> the base model exactly (the free KL reference)."""
+        return self._flags(False, False)
+
+    def ablate_quarantine(self):
+        """Context: the quarantine knob left out of the forward (deployment view of `route`)."""
+        return self._flags(None, False)
+
+    @contextlib.contextmanager
+    def merged(self) -> Iterator[Knobs]:
+        """Context for no-grad inference (sampling): each wrapped Linear runs F.linear(x, W_eff, bias) with
+        W_eff = W + U·diag(δS[+δS_hack])·Vh (svd) or W + (B[+B_hack])·A (lora), merged on entry from the
+        knob values and zeroed()/ablate_quarantine() flags of that moment, instead of its side path.
+
+        Outputs equal the unmerged forward up to float rounding of W + ΔW in W's dtype (fp32: ~1e-7
+        relative; bf16: an element of ΔW under half an ulp of W rounds away, an error of the same size
+        as the bf16 knob path's own rounding of y + out). Memory: one extra copy of
+        the wrapped weights while inside, freed on exit; knobs that are exactly zero use the base path (no
+        copy, bit-identical). Exit (also on an exception) restores the knob path exactly; W is never
+        written. Knob values changed inside are not seen; a forward with grad enabled inside raises.
+        """
+        if torch.is_grad_enabled():
+            raise RuntimeError("Knobs.merged() is for no-grad inference only (the merged weight gives the "
+                               "knobs no gradient): enter it inside torch.no_grad() (or inference_mode)")
+        if any(m.merged is not None for m in self.modules.values()):
+            raise RuntimeError("Knobs.merged() is already active; nest it at most once")
+        try:
+            for m in self.modules.values():
+                m.merge()
+            yield self
+        finally:
+            for m in self.modules.values():
+                m.merged = None
+
+    @contextlib.contextmanager
+    def capture(self, is_student: torch.Tensor, per_sequence: bool = False) -> Iterator[split.Capture]:
+        """Context: forwards+backwards inside record per-source knob grads; see `split.Capture`."""
+        if any(m.capture is not None for m in self.modules.values()):
+            raise RuntimeError("capture() is already active; nested captures would double-count")
+        cap = split.Capture(is_student, per_sequence)
+        for m in self.modules.values():
+            m.capture = cap
+        try:
+            with cap:
+                yield cap
+        finally:
+            for m in self.modules.values():
+                m.capture = None
+
+    def fingerprint(self) -> str:
+        """Hash of the base model (class, config values, every weight and buffer), knob kind, rank, seed,
+        targets."""
+        cfg = getattr(self.model, "config", None)
+        desc = {"model": type(self.model).__name__, "config": type(cfg).__name__, "kind": self.kind,
+                "rank": self.rank, "seed": self.seed if self.kind == "lora" else None,
+                "targets": list(self.targets), "weights": self._hashes, "rest": self._rest_hash}
+        return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()[:16]
+
+    def save(self, path: str | pathlib.Path) -> None:
+        """Knob values alone (delta, delta_hack per module) as safetensors with kind + fingerprint."""
+        t = {}
+        for n, m in self.modules.items():
+            t[f"{n}.delta"], t[f"{n}.delta_hack"] = m.delta, m.delta_hack
+        save_tensors(path, t, {"format": KNOB_FORMAT, "kind": self.kind,
+                                              "fingerprint": self.fingerprint()})
+
+    def load(self, path: str | pathlib.Path) -> None:
+        """Load knobs saved by `save`; fails (before changing anything) if made for another model/knob."""
+        path = pathlib.Path(path)
+        t, meta = load_tensors(path)
+        if meta.get("kind") != self.kind or meta.get("fingerprint") != self.fingerprint():
+            raise ValueError(f"knob file {path} was saved for kind={meta.get('kind')!r} "
+                             f"fingerprint={meta.get('fingerprint')!r}, but this model has "
+                             f"kind={self.kind!r} fingerprint={self.fingerprint()!r} "
+                             "(different base weights, targets, rank or seed)")
+        for n, m in self.modules.items():
+            m.delta.data.copy_(t[f"{n}.delta"])
+            m.delta_hack.data.copy_(t[f"{n}.delta_hack"])
+
+    def export(self, out_dir: str | pathlib.Path, include_quarantine: bool = False, tokenizer=None) -> None:
+        """Fold knobs into W (W + U·diag(δS[+δS_hack])·Vh, or W + (B[+B_hack])·A) on a deep copy and
+        `save_pretrained` a plain checkpoint that stock `AutoModelForCausalLM` loads. Needs memory for a
+        second copy of the model. `out_dir` must not exist or be empty; written via a temp dir + rename."""
+        out = pathlib.Path(out_dir)
+        if out.exists() and any(out.iterdir()):
+            raise FileExistsError(f"export target {out} is not empty; choose a new directory")
+        caps = {n: m.capture for n, m in self.modules.items()}
+        for m in self.modules.values():
+            m.capture = None  # never deep-copy an active capture
+        try:
+            plain = copy.deepcopy(self.model)
+        finally:
+            for n, m in self.modules.items():
+                m.capture = caps[n]
+        with torch.no_grad():
+            for n in self.modules:
+                parent, attr = _parent(plain, n)
+                km = getattr(parent, attr)
+                coef = km.delta + km.delta_hack if include_quarantine else km.delta
+                W = km.base.weight
+                W.copy_((W.float() + km.delta_weight(coef)).to(W.dtype))
+                setattr(parent, attr, km.base)
+        for p in plain.parameters():
+            p.requires_grad_(True)
+        with atomic_dir(out) as tmp:
+            plain.save_pretrained(tmp)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)

@@ -1,0 +1,1 @@
+"""The objective: advantages, token losses and log-probs, as pure tensor math."""

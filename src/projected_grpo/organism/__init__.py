@@ -1,0 +1,1 @@
+"""The embedded default model organism: tokenizer, tiny LM, warm-up, checks."""

@@ -1,0 +1,327 @@
+"""The embedded default model organism: a local byte-level BPE tokenizer and a tiny causal LM.
+
+Everything here runs offline on a laptop CPU: the tokenizer is trained with `tokenizers` on the
+built-in problems' prompts and completions, the model is a randomly initialised Llama-style LM built
+from a config (never downloaded), and `build_organism` gives it a supervised warm-up (see
+`warmup.py`) so that sampling at T = 1 solves part of the problems and hacks at a small prior.
+The result is an ordinary Hugging Face model directory in a user cache keyed by the hash of every
+input, so the rest of the code loads it exactly like a real model (`--model PATH`).
+Deliberately not here: the GRPO loop (train.py) and the grader (envs/grading.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Callable
+
+import torch
+import tyro
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
+
+from projected_grpo.organism.checks import format_checks, organism_checks
+from projected_grpo.organism.warmup import (
+    KINDS,
+    Corpus,
+    builtin_corpus,
+    held_out_ids,
+    warmup,
+    warmup_examples,
+)
+from projected_grpo.store import atomic_dir, cache_root, stable_hash, write_text_atomic
+
+# Special tokens: <|endoftext|> separates documents, ChatML turns are <|im_start|>role\n...<|im_end|>,
+# the model ends its answer with <|im_end|> (= eos, as in Qwen2 chat models), <|pad|> only pads.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>")
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|pad|>"
+
+# ChatML, as Qwen2 uses it (without the default system prompt).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Bump when the tokenizer/model/warm-up code changes what a build produces: it is part of every cache key.
+ORGANISM_CODE_VERSION = "organism-1"
+
+
+def _wrap_tokenizer(raw: Tokenizer) -> PreTrainedTokenizerFast:
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=raw, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+        additional_special_tokens=[t for t in SPECIAL_TOKENS if t not in (EOS_TOKEN, PAD_TOKEN)],
+        # Left padding: generation appends on the right, so prompts of a batch must end together.
+        padding_side="left", clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def _train_raw_tokenizer(texts: list[str], vocab_size: int, word_boundaries: bool) -> Tokenizer:
+    raw = Tokenizer(models.BPE())
+    # Byte-level: every string is encodable and decode(encode(s)) == s exactly, which the grader needs
+    # since completions are run as code. Without the GPT-2 word-splitting regex, merges may cross
+    # spaces and newlines ("\n        assert self."): sequences get ~3x shorter, but the many rare
+    # phrase tokens made the tiny model learn more slowly per step in our measurements.
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=word_boundaries)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    raw.train_from_iterator(texts, trainer=trainer)
+    return raw
+
+
+def build_tokenizer(texts: list[str], vocab_size: int = 1024, *, word_boundaries: bool = True,
+                    cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `texts`, with ChatML special tokens and chat template.
+
+    eos = <|im_end|>, pad = <|pad|>, left padding. The vocabulary has at most `vocab_size` entries
+    (fewer when the texts run out of pairs seen twice). `word_boundaries` splits text into words
+    first (GPT-2 style) so no token crosses a space; False lets tokens span phrases. The trained
+    tokenizer is cached as `<cache>/tokenizer/<hash>.json`, keyed by every input.
+    """
+    if not texts:
+        raise ValueError("build_tokenizer: `texts` is empty; pass the prompts and completions to train on")
+    min_vocab = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < min_vocab:
+        raise ValueError(f"build_tokenizer: vocab_size={vocab_size} < {min_vocab} (256 bytes + specials)")
+    key = stable_hash({"texts": list(texts), "vocab_size": vocab_size, "word_boundaries": word_boundaries,
+                       "special": SPECIAL_TOKENS, "code": ORGANISM_CODE_VERSION})
+    path = cache_root(cache_dir) / "tokenizer" / f"{key}.json"
+    if path.is_file():
+        raw = Tokenizer.from_str(path.read_text(encoding="utf-8"))
+    else:
+        raw = _train_raw_tokenizer(list(texts), vocab_size, word_boundaries)
+        write_text_atomic(path, raw.to_str())
+    return _wrap_tokenizer(raw)
+
+
+def tiny_model(tokenizer: PreTrainedTokenizerFast, *, hidden: int = 128, layers: int = 4, heads: int = 4,
+               kv_heads: int | None = None, intermediate: int | None = None, max_positions: int = 2048,
+               seed: int = 0) -> AutoModelForCausalLM:
+    """A randomly initialised Llama-style causal LM sized to `tokenizer` (deterministic given `seed`).
+
+    Tied input/output embeddings keep the parameter count small (hidden 128, 4 layers, 1k vocab is
+    about 0.9M parameters). Uses float32 and SDPA attention; `intermediate` defaults to 4 * hidden.
+    """
+    if hidden % heads:
+        raise ValueError(f"tiny_model: hidden={hidden} must be divisible by heads={heads}")
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ValueError(f"tiny_model: heads={heads} must be divisible by kv_heads={kv_heads}")
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions, tie_word_embeddings=True, use_cache=True,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    # Seed inside a forked RNG so building a model neither depends on nor disturbs the caller's stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def smoke_model_and_tokenizer(*, vocab_size: int = 512, hidden: int = 32, layers: int = 2, heads: int = 2,
+                              seed: int = 0) -> tuple[AutoModelForCausalLM, PreTrainedTokenizerFast]:
+    """A tiny random (untrained) model and its tokenizer from the built-in texts, in about a second.
+
+    For tests and the `smoke` preset: mechanics only, it does not solve or hack anything.
+    """
+    tokenizer = build_tokenizer(builtin_corpus().texts(), vocab_size=vocab_size)
+    return tiny_model(tokenizer, hidden=hidden, layers=layers, heads=heads, seed=seed), tokenizer
+
+
+# --- config, cache key, build ---------------------------------------------------------------------
+
+
+# The defaults, as measured by `projected-grpo build-organism` (8 samples per problem at T = 1, graded in
+# the sandbox): seed 0 solves 40% and hacks 7.4% of the 42 warm-up problems' samples (format 78%), and
+# on the 6 held-out problems solves 0% and hacks 4% (hack forms are generic, solutions are not); seed 1
+# gives 45% / 12.8%. The warm-up costs ~0.25 CPU-seconds per step on one core: ~2.5 minutes.
+# Fewer steps (450) gave 32% / 11.6%; a 128-wide 4-layer model learned no faster per step at 2x the
+# cost; phrase-level tokens (word_boundaries=False) learned much more slowly.
+@dataclasses.dataclass(frozen=True)
+class OrganismConfig:
+    """Everything that determines the organism (all of it enters the cache key)."""
+
+    vocab_size: int = 1024
+    """BPE vocabulary cap (phrase-level tokens: larger means shorter sequences but rarer tokens)"""
+    word_boundaries: bool = True
+    """GPT-2 style word splitting before BPE (False: tokens may span phrases, sequences ~3x shorter)"""
+    hidden: int = 96
+    """model width (Llama-style, tied embeddings)"""
+    layers: int = 3
+    """transformer blocks"""
+    heads: int = 3
+    """attention heads (hidden must be divisible by heads)"""
+    max_positions: int = 1024
+    """context length the model is built for (prompt + completion)"""
+    mix: tuple[float, float, float] = (0.55, 0.30, 0.15)
+    """warm-up shares of clean / buggy / hack completions; the hack share sets the sampling prior"""
+    per_problem: int = 25
+    """warm-up examples per training problem, split by `mix`"""
+    holdout_per_mode: int = 1
+    """the last this-many problems of each mode are left out of the warm-up and reported apart"""
+    steps: int = 600
+    """warm-up optimizer steps (the warm-up length)"""
+    batch_size: int = 16
+    """sequences per warm-up step"""
+    lr: float = 8e-3
+    """peak AdamW learning rate (linear warm-up, cosine decay to 10%)"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    seed: int = 0
+    """seed for model init, the warm-up mix and batch order"""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden", "layers", "heads", "max_positions", "per_problem", "steps",
+                     "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"OrganismConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden % self.heads:
+            raise ValueError(f"OrganismConfig: hidden={self.hidden} must be divisible by heads={self.heads}")
+        if len(self.mix) != len(KINDS) or any(w < 0 for w in self.mix) or abs(sum(self.mix) - 1) > 1e-6:
+            raise ValueError(f"OrganismConfig.mix must be {len(KINDS)} non-negative shares of {KINDS} "
+                             f"summing to 1, got {self.mix}")
+        if self.holdout_per_mode < 0 or self.lr <= 0 or self.weight_decay < 0:
+            raise ValueError(f"OrganismConfig: need holdout_per_mode >= 0, lr > 0, weight_decay >= 0; got "
+                             f"{self.holdout_per_mode}, {self.lr}, {self.weight_decay}")
+
+
+def organism_key(cfg: OrganismConfig, corpus: Corpus) -> str:
+    """Cache key: hash of the config, problem ids, modes and prompts, every completion, the code version."""
+    return stable_hash({
+        "config": dataclasses.asdict(cfg), "code": ORGANISM_CODE_VERSION,
+        "problems": [[p.id, p.mode] for p in corpus.problems],
+        "messages": [list(m) for m in corpus.messages],
+        "completions": [{k: list(c[k]) for k in KINDS} for c in corpus.completions],
+    })
+
+
+def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | os.PathLike | None = None,
+                   corpus: Corpus | None = None, log: Callable[[str], None] | None = print,
+                   threads: int | None = 1) -> pathlib.Path:
+    """Build (or find in the cache) the organism; returns its HF model directory.
+
+    The warm-up runs on `threads` torch threads (restored afterwards; None leaves the setting alone):
+    one thread is the fastest on a busy 2-core machine and makes the build bit-reproducible across
+    machines with different core counts.
+
+    The directory is `<cache>/organism/<organism_key>` and holds the model, the tokenizer and
+    `organism.json` (config, key, held-out ids, warm-up log). Written to a temp directory and
+    renamed into place, so a crashed or concurrent build never leaves a half-written organism.
+    """
+    corpus = builtin_corpus() if corpus is None else corpus
+    key = organism_key(cfg, corpus)
+    out = cache_root(cache_dir) / "organism" / key
+    if (out / "organism.json").is_file():
+        if log:
+            log(f"organism: cached at {out}")
+        return out
+    t0 = time.perf_counter()
+    tokenizer = build_tokenizer(corpus.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries,
+                                cache_dir=cache_dir)
+    model = tiny_model(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
+                       max_positions=cfg.max_positions, seed=cfg.seed)
+    held_out = held_out_ids(corpus, cfg.holdout_per_mode)
+    examples = warmup_examples(corpus, tokenizer, held_out, per_problem=cfg.per_problem, mix=cfg.mix,
+                               seed=cfg.seed)
+    longest = max(len(e.prompt_ids) + len(e.completion_ids) for e in examples)
+    if longest > cfg.max_positions:
+        raise ValueError(f"build_organism: a warm-up sequence has {longest} tokens > max_positions="
+                         f"{cfg.max_positions}; raise OrganismConfig.max_positions or vocab_size")
+    n_params = sum(p.numel() for p in model.parameters())
+    if log:
+        log(f"organism: building {key}: {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}, "
+            f"{len(examples)} warm-up examples on {len(corpus.problems) - len(held_out)} problems "
+            f"({len(held_out)} held out), {cfg.steps} steps")
+    old_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads or old_threads)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed)
+            rows = warmup(model, examples, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
+                          weight_decay=cfg.weight_decay, seed=cfg.seed, pad_id=tokenizer.pad_token_id,
+                          log=log)
+    finally:
+        torch.set_num_threads(old_threads)
+    meta = {"key": key, "config": dataclasses.asdict(cfg), "code": ORGANISM_CODE_VERSION,
+            "n_params": n_params, "vocab": len(tokenizer), "held_out": sorted(held_out),
+            "n_examples": len(examples), "build_s": time.perf_counter() - t0, "warmup_log": rows}
+    with atomic_dir(out) as tmp:  # a concurrent build that finished first wins
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "organism.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
+    if log:
+        log(f"organism: built in {meta['build_s']:.0f}s -> {out}")
+    return out
+
+
+def load_organism(path: str | os.PathLike) -> tuple[AutoModelForCausalLM, PreTrainedTokenizerFast, dict]:
+    """(model in eval mode, tokenizer, organism.json contents) from a built organism directory."""
+    path = pathlib.Path(path)
+    meta_path = path / "organism.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path} missing: {path} is not a built organism (run build_organism)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(path), json.loads(meta_path.read_text(encoding="utf-8"))
+
+
+# --- CLI -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildOpts:
+    """projected-grpo build-organism: build (or load from the cache) the organism and print its checks."""
+
+    organism: tyro.conf.OmitArgPrefixes[OrganismConfig] = OrganismConfig()
+    """what to build (every field enters the cache key)"""
+    out: str = ""
+    """also copy the built model directory here ("" = leave it only in the cache)"""
+    cache_dir: str = ""
+    """cache root ("" = $PROJECTED_GRPO_CACHE, else ~/.cache/projected_grpo)"""
+    samples: int = 8
+    """samples per problem for the checks at T = 1 (0 skips the checks)"""
+    max_new_tokens: int = 160
+    """token budget per sampled completion in the checks"""
+    threads: int = 1
+    """torch CPU threads (1 is fastest on a busy 2-core machine, and keeps builds bit-reproducible)"""
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of `projected-grpo build-organism`."""
+    opts = tyro.cli(BuildOpts, args=argv, prog="projected-grpo build-organism")
+    torch.set_num_threads(opts.threads)
+    cache_dir = opts.cache_dir or None
+    path = build_organism(opts.organism, cache_dir=cache_dir, threads=opts.threads)
+    if opts.out:
+        shutil.copytree(path, opts.out, dirs_exist_ok=True)
+        print(f"organism: copied to {opts.out}")
+    if opts.samples:
+        from projected_grpo.envs.coding.sandbox import SandboxPool
+
+        model, tokenizer, meta = load_organism(path)
+        t0 = time.perf_counter()
+        with SandboxPool() as pool:
+            checks = organism_checks(model, tokenizer, builtin_corpus(), frozenset(meta["held_out"]),
+                                     n_samples=opts.samples, max_new_tokens=opts.max_new_tokens,
+                                     seed=opts.organism.seed, pool=pool)
+        print(format_checks(checks))
+        for pid, text in checks["examples"].items():
+            print(f"--- sample for {pid}:\n{text}")
+        write_text_atomic(path / "checks.json", json.dumps(checks, indent=1))
+        print(f"checks: {time.perf_counter() - t0:.0f}s, written to {path / 'checks.json'}")
+    return 0

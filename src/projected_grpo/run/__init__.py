@@ -1,0 +1,1 @@
+"""One training run: setup, sampling, the rollout step, the loop, checkpoints, metrics."""

@@ -1,0 +1,210 @@
+"""Atomic checkpoints for exact resume: knobs, optimizer, scheduler, RNG states, cursors, config.
+
+A checkpoint is a directory `run_dir/ckpt-<step:06d>/` written under a temporary name and moved into
+place with os.replace, so a run killed mid-save leaves either the previous checkpoint set or the new
+one, never a half directory under a ckpt- name (stray `.tmp-ckpt-*` dirs are ignored and cleaned up
+by the next save). `run_dir/latest` names the newest one for humans and scripts. Knob tensors are
+safetensors; optimizer / scheduler state and RNG states are torch.save'd and loaded with
+weights_only=True; cursors (data and pool positions) and the config are JSON.
+
+Not here: what the cursors mean (train.py) or how knob tensors map onto modules (adapters.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import re
+import shutil
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from projected_grpo.store import load_tensors, write_text_atomic
+
+CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
+LATEST_FILE = "latest"
+# file name -> what it holds; every one must exist for a checkpoint to load
+FILES: dict[str, str] = {
+    "meta.json": "step and format version",
+    "knobs.safetensors": "knob tensors",
+    "optimizer.pt": "optimizer state_dict",
+    "scheduler.pt": "scheduler state_dict (None when the run has no scheduler)",
+    "rng.pt": "python / numpy / torch CPU / CUDA RNG states",
+    "cursors.json": "data and pool cursors",
+    "config.json": "resolved run config",
+}
+FORMAT_VERSION = 1
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint; `optimizer_state` / `scheduler_state` go to the objects' load_state_dict."""
+
+    path: pathlib.Path
+    step: int
+    knobs_state: dict[str, Tensor]
+    optimizer_state: dict
+    scheduler_state: dict | None
+    rng: dict
+    cursors: dict
+    config: dict
+
+
+def rng_state() -> dict:
+    """Python / numpy / torch CPU (and CUDA, when present) RNG states, loadable with weights_only=True."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(key.astype(np.int64)), int(pos), int(has_gauss), float(gauss)),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(ckpt: Checkpoint | dict) -> None:
+    """Set every RNG to the state saved in `ckpt` (a Checkpoint or its `.rng` dict).
+
+    CUDA states are restored when CUDA is available here; a CPU process ignores them (CPU sampling
+    and training never read the CUDA generators).
+    """
+    state = ckpt.rng if isinstance(ckpt, Checkpoint) else ckpt
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    kind, key, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"][: torch.cuda.device_count()])
+
+
+def _fsync_dir(path: pathlib.Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _torch_save(obj: object, path: pathlib.Path) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _json_dump(obj: object, path: pathlib.Path, what: str) -> None:
+    try:
+        text = json.dumps(obj, indent=2, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint {path.name}: the {what} must be JSON-serialisable (plain str/int/float/"
+                        f"bool/list/dict, finite): {e}") from e
+    write_text_atomic(path, text + "\n")
+
+
+def checkpoints(run_dir: str | os.PathLike) -> list[tuple[int, pathlib.Path]]:
+    """(step, path) of every `ckpt-<step>` directory in run_dir, oldest first (temp dirs excluded)."""
+    run_dir = pathlib.Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if p.is_dir() and (m := CKPT_RE.match(p.name))]
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: str | os.PathLike) -> pathlib.Path | None:
+    """Newest checkpoint directory in run_dir, or None.
+
+    Chosen by scanning the ckpt- directories (each is complete, being moved into place whole), so a
+    kill between the directory move and the `latest` pointer update still resumes from the newest.
+    """
+    found = checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(run_dir: str | os.PathLike, step: int, *, knobs_state: dict[str, Tensor], optimizer,
+                    scheduler, cursors: dict, config: dict, keep_last: int | None = 3) -> pathlib.Path:
+    """Write `run_dir/ckpt-<step:06d>` atomically, point `run_dir/latest` at it, keep the newest
+    `keep_last` checkpoints (None keeps all). The RNG states saved are the ones at call time, so call
+    this at the point the resumed run will continue from. Returns the checkpoint directory."""
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"save_checkpoint: keep_last must be >= 1 or None, got {keep_last}")
+    run_dir = pathlib.Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob(".tmp-ckpt-*"):  # left by a run killed mid-save; never a valid checkpoint
+        shutil.rmtree(stale)
+    for old in run_dir.glob(".tmp-old-ckpt-*"):  # a complete checkpoint, moved aside to re-save its step
+        final = run_dir / old.name.removeprefix(".tmp-old-").rsplit("-", 1)[0]
+        if final.exists():  # killed after the new one took its place: the old one is garbage
+            shutil.rmtree(old)
+        else:  # killed between the two renames: the old one is still the only copy, so put it back
+            os.replace(old, final)
+    name = f"ckpt-{int(step):06d}"
+    final = run_dir / name
+    tmp = run_dir / f".tmp-{name}-{os.getpid()}"
+    tmp.mkdir()
+    try:
+        # safetensors wants contiguous, unshared CPU tensors
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in knobs_state.items()},
+                  str(tmp / "knobs.safetensors"))
+        _torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
+        _torch_save(None if scheduler is None else scheduler.state_dict(), tmp / "scheduler.pt")
+        _torch_save(rng_state(), tmp / "rng.pt")
+        _json_dump(cursors, tmp / "cursors.json", "cursors")
+        _json_dump(config, tmp / "config.json", "config")
+        _json_dump({"step": int(step), "format": FORMAT_VERSION}, tmp / "meta.json", "meta")
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. after a resume): move the old one out first
+            old = run_dir / f".tmp-old-{name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(run_dir)
+    except BaseException:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        raise
+    write_text_atomic(run_dir / LATEST_FILE, name + "\n")
+    if keep_last is not None:
+        for _, old_path in checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old_path)
+    return final
+
+
+def _load_part(path: pathlib.Path, loader):
+    try:
+        return loader(path)
+    except Exception as e:
+        raise ValueError(f"checkpoint file {path} is corrupt or unreadable ({type(e).__name__}: {e}); "
+                         f"resume from an earlier checkpoint in {path.parent.parent}") from e
+
+
+def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Load a checkpoint directory; a missing or unreadable file raises naming that file."""
+    path = pathlib.Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+    for fname, what in FILES.items():
+        if not (path / fname).is_file():
+            raise FileNotFoundError(f"checkpoint {path} is incomplete: missing {fname} ({what})")
+    read_json = lambda p: json.loads(p.read_text(encoding="utf-8"))
+    read_torch = lambda p: torch.load(p, map_location="cpu", weights_only=True)
+    meta = _load_part(path / "meta.json", read_json)
+    if meta.get("format") != FORMAT_VERSION or not isinstance(meta.get("step"), int):
+        raise ValueError(f"checkpoint file {path / 'meta.json'}: expected format {FORMAT_VERSION} and an int "
+                         f"step, got {meta}")
+    return Checkpoint(
+        path=path, step=meta["step"],
+        knobs_state=_load_part(path / "knobs.safetensors", lambda p: load_tensors(p)[0]),  # aligned copies
+        optimizer_state=_load_part(path / "optimizer.pt", read_torch),
+        scheduler_state=_load_part(path / "scheduler.pt", read_torch),
+        rng=_load_part(path / "rng.pt", read_torch),
+        cursors=_load_part(path / "cursors.json", read_json),
+        config=_load_part(path / "config.json", read_json),
+    )

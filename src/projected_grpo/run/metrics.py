@@ -1,0 +1,189 @@
+"""Run-directory metrics: one JSONL row per step, optional TensorBoard, progress bar, end-of-run summary.
+
+Every metric name is defined once, in docs/metrics.md; `KNOWN_METRICS` mirrors that table's names
+(a test keeps the two equal and checks that SPEC section 4's keys are all there). Rows are appended
+with flush + fsync, numbers must be finite (a NaN is a bug to stop on, not a point to plot), and
+`truncate_to` rewrites the file atomically on resume so a resumed run's rows equal an uninterrupted
+run's. This module computes no metric itself: values arrive as stats from the tested math functions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+from collections.abc import Iterable, Mapping
+
+from projected_grpo.store import read_jsonl, write_text_atomic
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+# SPEC section 4: every training row carries at least these keys.
+REQUIRED_METRICS: tuple[str, ...] = (
+    "reward/mean", "reward/std", "reward/frac_zero_std", "hack/student", "hack/teacher",
+    "solve/student", "solve/teacher", "loss/policy", "kl/mean", "entropy/mean",
+    "clip/low_frac", "clip/high_frac", "grad/norm", "proj/cin_student", "proj/cin_teacher",
+    "proj/cin", "proj/cout", "proj/cout_update", "proj/fired_frac", "knob/hack_norm",
+    "completion/mean_len", "completion/clipped_frac", "sandbox/timeout_frac", "time/generate",
+    "time/grade", "time/backward", "time/step",
+)
+
+# Mirror of the names in docs/metrics.md (definitions live there only; tests/test_metrics.py keeps
+# the two sets equal).
+KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
+    "step", "lr", "reward/student_mean", "reward/teacher_mean",
+    "adv/mean", "adv/std", "adv/abs_max", "adv/student_mean", "adv/teacher_mean",
+    "groups/zero_std", "groups/skipped", "groups/resampled", "groups/resample_tries",
+    "loss/kl", "kl/is_weight_mean", "clip/region_frac", "clip/dual_frac", "ratio/mean", "ratio/max",
+    "teacher/mode", "teacher/frac", "teacher/ratio_mean", "teacher/is_weight_mean", "teacher/clip_frac",
+    "proj/norm_removed", "proj/skipped", "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",
+    "proj/v_overlap", "knob/norm", "completion/max_len", "eval/deploy_hack", "eval/deploy_solve",
+    "hack/deploy", "solve/deploy", "format/deploy",
+})
+# summary.json: last-`last`-row means of these (issue 6 item 6)
+SUMMARY_KEYS: tuple[str, ...] = (
+    "reward/mean", "hack/student", "hack/teacher", "solve/student", "solve/teacher", "hack/deploy",
+    "solve/deploy", "format/deploy", "proj/cin_student", "proj/cin_teacher", "proj/cin", "proj/cout",
+)
+
+
+def undocumented(keys: Iterable[str]) -> list[str]:
+    """Keys not defined in docs/metrics.md (a test on the training loop's row should find none)."""
+    return sorted(k for k in keys if k not in KNOWN_METRICS)
+
+
+def _clean_row(step: int, row: Mapping[str, object]) -> dict[str, object]:
+    """{"step": step, **row} with numbers as finite floats; raises naming the first bad key."""
+    out: dict[str, object] = {"step": int(step)}
+    for k, v in row.items():
+        if k == "step":
+            raise ValueError("metrics row: 'step' is set by MetricsLogger.log(step, ...), not by the row")
+        if isinstance(v, str):  # categorical (e.g. teacher/mode): JSON only, not TensorBoard
+            out[k] = v
+            continue
+        try:
+            f = float(v.item() if hasattr(v, "item") else v)  # accepts 0-d tensors / numpy scalars
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"metrics row at step {step}: {k!r} = {v!r} is not a number or string") from e
+        if not math.isfinite(f):
+            raise ValueError(f"metrics row at step {step}: {k!r} is {f} (every value must be finite)")
+        out[k] = f
+    return out
+
+
+class MetricsLogger:
+    """Appends one JSON line per step to `run_dir/metrics.jsonl` (and TensorBoard scalars on request)."""
+
+    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = False):
+        self.run_dir = pathlib.Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self._f = open(self.path, "a", encoding="utf-8")  # closed in close()
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("tensorboard logging was requested but the `tensorboard` package is not "
+                                  "installed: pip install 'projected-grpo[tb]' (or pass tensorboard=False)"
+                                  ) from e
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+
+    def log(self, step: int, row: Mapping[str, object]) -> dict[str, object]:
+        """Validate and append {"step": step, **row}; returns the written row."""
+        clean = _clean_row(step, row)
+        self._f.write(json.dumps(clean, allow_nan=False) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())  # a SIGKILL after log() returns cannot lose this row
+        if self._tb is not None:
+            for k, v in clean.items():
+                if k != "step" and isinstance(v, float):
+                    self._tb.add_scalar(k, v, int(step))
+            self._tb.flush()
+        return clean
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """All rows of a metrics.jsonl file; a malformed line raises naming the file and line number."""
+    return [row for _, row in read_jsonl(path)]
+
+
+def truncate_to(run_dir: str | os.PathLike, step: int) -> int:
+    """Drop metrics rows with step > `step` (resume from a checkpoint at `step`); returns rows kept.
+
+    A final line without its newline is a write cut off by a kill; it is dropped. Any other malformed
+    line raises (read_rows). The rewrite is atomic.
+    """
+    path = pathlib.Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        return 0
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        text = text[: text.rfind("\n") + 1]  # cut-off last write
+    kept = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: invalid JSON ({e.msg} at column {e.colno}): {line[:80]!r}") from e
+        if row["step"] <= step:
+            kept.append(line)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
+    return len(kept)
+
+
+def summarize(rows: list[Mapping[str, object]], last: int = 5,
+              keys: Iterable[str] = SUMMARY_KEYS) -> dict[str, float]:
+    """Mean of each key over the last `last` rows (by step) that carry it as a number.
+
+    Keys that no row in that window carries are left out of the summary (e.g. proj/* under a run that
+    logs no projection). Also reports `steps` (rows seen) and `last_step`.
+    """
+    if not rows:
+        raise ValueError("summarize: no metrics rows (did the run log any step?)")
+    window = sorted(rows, key=lambda r: r["step"])[-last:]
+    out: dict[str, float] = {"steps": float(len(rows)), "last_step": float(window[-1]["step"])}
+    for k in keys:
+        vals = [float(r[k]) for r in window if isinstance(r.get(k), (int, float))]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    return out
+
+
+# progress bar: the three numbers a human watches (reward up, hack rate, how hack-ward the gradient is)
+PROGRESS_KEYS: dict[str, str] = {"reward": "reward/mean", "hack": "hack/student", "cin": "proj/cin"}
+
+
+class Progress:
+    """tqdm bar over training steps whose postfix shows reward / hack / cin of the last row."""
+
+    def __init__(self, total: int, initial: int = 0, disable: bool = False, desc: str = "train", file=None):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, disable=disable, desc=desc, dynamic_ncols=True,
+                        file=file)
+
+    def update(self, row: Mapping[str, object]) -> None:
+        self.bar.set_postfix({short: f"{float(row[k]):.3f}" for short, k in PROGRESS_KEYS.items()
+                              if isinstance(row.get(k), (int, float))}, refresh=False)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()

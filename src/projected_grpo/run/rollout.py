@@ -1,0 +1,302 @@
+"""Batched sampling and per-token log-probs: the one way token sequences are built and scored.
+
+`pack` lays out prompt + completion ids (prompts LEFT-padded, completions right-padded) for both
+student rollouts and teacher pool rows, so teacher sequences come from stored ids and are never
+re-tokenised from text. `generate` samples all prompts x n_samples in one batch with an attention
+mask (the seed had none), stops each row at EOS, and returns the behaviour log-probs it sampled
+under. `forward_logprobs` is the single scoring forward of the training step. `step_seed` derives
+sampling seeds from (base_seed, step, ...) stably across processes.
+
+Not here: grading, advantages, the teacher pool's storage (pool.py), any optimisation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
+
+# --- token ids ---------------------------------------------------------------------------------
+
+
+def encode_prompt(tokenizer, messages: list[dict], **chat_template_kwargs) -> list[int]:
+    """Chat-formatted prompt ids ending with the assistant generation header.
+
+    Uses the tokenizer's own chat template (`add_generation_prompt=True`), so the ids are exactly what
+    the model sees at deployment. Extra keyword arguments go to the template (e.g. Qwen3's
+    `enable_thinking=False`).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} ({getattr(tokenizer, 'name_or_path', '?')!r}) has no chat "
+            "template; set tokenizer.chat_template (a Jinja string) or use a chat model's tokenizer")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False, **chat_template_kwargs)
+    return [int(i) for i in ids]
+
+
+def encode_completion(tokenizer, text: str, eos: bool = True) -> list[int]:
+    """Completion ids for `text`: no special tokens added, then `tokenizer.eos_token_id` when `eos`.
+
+    The closing token is `tokenizer.eos_token_id` (for chat models such as Qwen this is the end-of-turn
+    `<|im_end|>`), the same id `generate` is normally given as `eos_id`, so a teacher completion ends
+    exactly as a finished student completion does.
+    """
+    ids = [int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"]]
+    if eos:
+        if tokenizer.eos_token_id is None:
+            raise ValueError(f"tokenizer {type(tokenizer).__name__} has no eos_token_id; set "
+                             "tokenizer.eos_token or call encode_completion(..., eos=False)")
+        ids.append(int(tokenizer.eos_token_id))
+    return ids
+
+
+# --- packing -----------------------------------------------------------------------------------
+
+
+@dataclass
+class SeqBatch:
+    """N prompt+completion sequences of length L = P + T (P = longest prompt, T = longest completion).
+
+    input_ids       (N, L) long: prompt left-padded in the first P columns, completion right-padded
+                    in the last T columns.
+    attention_mask  (N, L) long: 1 on real prompt and completion tokens, 0 on padding.
+    completion_mask (N, T) float: 1 on real completion tokens (the last T columns), 0 on padding.
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    completion_mask: Tensor
+
+    @property
+    def T(self) -> int:
+        """Completion width: the last T columns of input_ids hold the completions."""
+        return self.completion_mask.shape[1]
+
+    def to(self, device: torch.device | str) -> SeqBatch:
+        return SeqBatch(self.input_ids.to(device), self.attention_mask.to(device),
+                        self.completion_mask.to(device))
+
+
+def _left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """(N, width) ids and mask with each row right-aligned (left padding)."""
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def pack(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+         pad_id: int) -> SeqBatch:
+    """Lay out N (prompt, completion) id lists as one SeqBatch (prompts left-, completions right-padded)."""
+    if len(prompt_ids) != len(completion_ids):
+        raise ValueError(f"pack: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
+    if not prompt_ids:
+        raise ValueError("pack: no sequences")
+    if pad_id is None:
+        raise ValueError("pack: pad_id is None; set tokenizer.pad_token (e.g. to its eos token)")
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        if len(p) == 0 or len(c) == 0:
+            raise ValueError(f"pack: row {i} has an empty {'prompt' if len(p) == 0 else 'completion'}; every "
+                             "row needs >= 1 prompt token and >= 1 completion token (the EOS at least)")
+    P = max(len(p) for p in prompt_ids)
+    T = max(len(c) for c in completion_ids)
+    p_ids, p_mask = _left_pad(prompt_ids, P, pad_id)
+    c_ids = torch.full((len(completion_ids), T), pad_id, dtype=torch.long)
+    c_mask = torch.zeros((len(completion_ids), T), dtype=torch.long)
+    for i, c in enumerate(completion_ids):
+        c_ids[i, :len(c)] = torch.as_tensor(c, dtype=torch.long)
+        c_mask[i, :len(c)] = 1
+    return SeqBatch(input_ids=torch.cat([p_ids, c_ids], 1), attention_mask=torch.cat([p_mask, c_mask], 1),
+                    completion_mask=c_mask.float())
+
+
+def pad_right(rows: Sequence[Sequence[float] | Tensor], T: int, value: float = 0.0) -> Tensor:
+    """(N, T) float32 of per-token values (e.g. behaviour log-probs) aligned with SeqBatch.completion_mask."""
+    out = torch.full((len(rows), T), value, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        r = torch.as_tensor(r, dtype=torch.float32)
+        if r.numel() > T:
+            raise ValueError(f"pad_right: row {i} has {r.numel()} values but the batch is only T={T} wide")
+        out[i, :r.numel()] = r
+    return out
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """(N, L) positions counting only attended tokens, so a left-padded row is scored as if unpadded."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# --- sampling ----------------------------------------------------------------------------------
+
+
+def step_seed(base_seed: int, step: int, *extra: int | str) -> int:
+    """Deterministic 63-bit seed for (base_seed, step, *extra), identical in every process.
+
+    Uses blake2b of the JSON-encoded tuple (nanochat derives sampling seeds from
+    hash((step, example_idx, sampling_step)); a cryptographic hash keeps that stable for str parts too,
+    which Python's salted hash() does not).
+    """
+    key = json.dumps([int(base_seed), int(step), *extra]).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
+
+
+@dataclass
+class Rollout:
+    """N = B * n_samples sampled completions, prompt-major (row b * n_samples + g).
+
+    prompt_ids     list of N prompt id lists (prompt b repeated n_samples times).
+    completion_ids list of N id lists: EOS included when emitted, nothing after it.
+    logp           list of N float32 CPU tensors (len(completion_ids[i]),): behaviour log-prob of each
+                   sampled token under the distribution it was drawn from, as importance weights need
+                   it (pool.teacher_importance): log_softmax(logits / temperature) renormalised over
+                   the top-p nucleus; 0 for greedy (temperature 0: drawn with probability 1). With
+                   top_p = 1 it matches forward_logprobs(..., temperature) on the same policy.
+    truncated      (N,) bool: hit max_new_tokens without emitting EOS.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    logp: list[Tensor]
+    truncated: Tensor
+
+    def batch(self, pad_id: int) -> SeqBatch:
+        return pack(self.prompt_ids, self.completion_ids, pad_id)
+
+
+def _greedy(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """logits (N, V) fp32 -> token (N,), behaviour logp (N,): 0, the argmax is drawn with probability 1."""
+    tok = logits.argmax(-1)
+    return tok, torch.zeros(tok.shape, dtype=logits.dtype, device=logits.device)
+
+
+def _sample(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """logits (N, V) fp32 -> token (N,) drawn from softmax(logits / temperature) nucleus-truncated at top_p,
+    and its behaviour logp (N,) under that same distribution (the nucleus renormalised)."""
+    logp_all = F.log_softmax(logits / temperature, -1)  # (N, V)
+    probs = logp_all.exp()
+    if top_p < 1.0:
+        # nucleus (Holtzman et al. 2019): keep the smallest prefix of sorted tokens with mass >= top_p
+        sorted_p, idx = probs.sort(-1, descending=True)
+        sorted_p = sorted_p.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+    tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    logp = logp_all.gather(-1, tok[:, None])[:, 0]
+    return tok, (logp - probs.sum(-1).log()) if top_p < 1.0 else logp  # log(p / nucleus mass)
+
+
+SAMPLERS: dict[str, Callable[[Tensor, float, float, torch.Generator], tuple[Tensor, Tensor]]] = {
+    "greedy": _greedy, "sample": _sample,
+}
+
+
+def _accepts_logits_to_keep(model) -> bool:
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+@torch.no_grad()
+def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_new_tokens: int,
+             temperature: float = 1.0, top_p: float = 1.0, seed: int, eos_id: int | Sequence[int],
+             pad_id: int) -> Rollout:
+    """Sample n_samples completions for every prompt in ONE batched KV-cache decode.
+
+    Prompts are left-padded with an attention mask and explicit position ids, so a row's logits do
+    not depend on what it is batched with (its random draws do: one Generator serves the batch).
+    Each row stops at its first EOS (any id in `eos_id`).
+    temperature 0 means greedy. Randomness comes only from a private torch.Generator seeded with
+    `seed` on the model's device (the global torch RNG is untouched), so the same seed gives the
+    same ids on CPU. Call with the model in eval mode (dropout would otherwise perturb sampling).
+    Own loop rather than HF `generate`: it takes a Generator, returns the exact sampling log-probs,
+    and stays cheap for tiny models. Returns a Rollout with N = len(prompt_ids) * n_samples rows.
+    """
+    if n_samples < 1 or max_new_tokens < 1:
+        raise ValueError(f"generate: n_samples ({n_samples}) and max_new_tokens ({max_new_tokens}) "
+                         "must be >= 1")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"generate: temperature must be >= 0 (0 = greedy), got {temperature}; "
+                         f"top_p must be in (0, 1], got {top_p}")
+    if any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("generate: empty prompt; every prompt needs at least one token")
+    if eos_id is None or pad_id is None:
+        raise ValueError(f"generate: eos_id={eos_id}, pad_id={pad_id}; pass the tokenizer's eos_token_id "
+                         "(or [] to never stop early) and a pad id (set tokenizer.pad_token, e.g. to eos)")
+    pick = SAMPLERS["greedy" if temperature == 0 else "sample"]
+    device = next(model.parameters()).device
+    eos = torch.as_tensor(eos_id, dtype=torch.long, device=device).reshape(-1)  # int or list -> (E,)
+    rows = [list(p) for p in prompt_ids for _ in range(n_samples)]  # prompt-major: row b * n_samples + g
+    N = len(rows)
+    ids, mask = _left_pad(rows, max(len(r) for r in rows), pad_id)
+    ids, mask = ids.to(device), mask.to(device)
+    pos = position_ids_from_mask(mask)
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+
+    toks = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=device)
+    lens = torch.full((N,), max_new_tokens, dtype=torch.long, device=device)
+    done = torch.zeros(N, dtype=torch.bool, device=device)
+    cache, cur = None, ids
+    for t in range(max_new_tokens):
+        out = model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True, **keep)
+        cache = out.past_key_values
+        tok, lp = pick(out.logits[:, -1].float(), temperature, top_p, gen)
+        tok = tok.masked_fill(done, pad_id)  # finished rows keep decoding pad; their outputs are dropped
+        toks[:, t], logps[:, t] = tok, lp
+        hit = ~done & torch.isin(tok, eos)
+        lens[hit] = t + 1
+        done |= hit
+        if bool(done.all()):
+            break
+        cur = tok[:, None]
+        mask = torch.cat([mask, torch.ones((N, 1), dtype=mask.dtype, device=device)], 1)
+        pos = pos[:, -1:] + 1
+
+    toks, logps, lens = toks.cpu(), logps.cpu(), lens.cpu()
+    return Rollout(prompt_ids=rows, completion_ids=[toks[i, :lens[i]].tolist() for i in range(N)],
+                   logp=[logps[i, :lens[i]].clone() for i in range(N)], truncated=~done.cpu())
+
+
+# --- scoring -----------------------------------------------------------------------------------
+
+
+def completion_logits(model, batch: SeqBatch) -> Tensor:
+    """(N, T, V) logits predicting the T completion tokens, from one forward over (N, L).
+
+    Only the last T + 1 positions are materialised (`logits_to_keep`, when the model supports it);
+    the final position predicts past the sequence and is dropped.
+    """
+    T = batch.T
+    keep = {"logits_to_keep": T + 1} if _accepts_logits_to_keep(model) else {}
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=position_ids_from_mask(batch.attention_mask), use_cache=False, **keep)
+    return out.logits[:, -(T + 1):-1]  # (N, T, V)
+
+
+def forward_logprobs(model, batch: SeqBatch, *, temperature: float = 1.0,
+                     with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs of the completion tokens under softmax(logits / temperature).
+
+    Returns logp (N, T) and, when `with_entropy`, the per-token entropy (N, T) of the same tempered
+    distribution; both are 0 outside batch.completion_mask. Gradients flow when called with grad on.
+    """
+    logits = completion_logits(model, batch)  # (N, T, V), a view: the chunked functions never copy it
+    targets = batch.input_ids[:, -batch.T:]  # (N, T)
+    real = batch.completion_mask.to(logits.device) > 0
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
+    # where, not multiply: a masked position must read 0 even if its value were inf
+    logp = torch.where(real, token_logprobs(logits, targets, temperature=temperature), zero)
+    entropy = (torch.where(real, entropy_from_logits(logits, temperature=temperature), zero)
+               if with_entropy else None)
+    return logp, entropy

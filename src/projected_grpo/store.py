@@ -1,0 +1,169 @@
+"""What the project keeps on disk, in one place: atomic writes, tensor files, JSONL, hashes, the cache root.
+
+Every file the project writes goes through `atomic_path` (a temp file in the target's directory, fsynced,
+then `os.replace`), so a kill leaves the old file or the new one, never half of one. Every tensor read
+from a safetensors file is copied into fresh memory (`load_tensors`): `safetensors` hands out views into
+the file's mmap at 8-byte offsets, and on MKL's SSE4.2/AVX code paths (AMD and older Intel CPUs) a
+matrix product's rounding depends on its operands' alignment, so a V_hack read from a checkpoint gave
+other last bits than the same V computed in memory, and a resumed run drifted from an uninterrupted one
+(issue 13; docs/architecture.md). Hashes: `stable_hash` of JSON-able values, `weight_hash` of a tensor's
+bytes, `tokenizer_fingerprint` of what encodes text. Not here: what the files mean (their callers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from projected_grpo.errors import UserError
+
+# --- where -----------------------------------------------------------------------------------------
+
+
+def cache_root(override: str | os.PathLike | None = None) -> pathlib.Path:
+    """User cache directory: `override`, else $PROJECTED_GRPO_CACHE, else ~/.cache/projected_grpo."""
+    if override:
+        return pathlib.Path(override).expanduser()
+    env = os.environ.get("PROJECTED_GRPO_CACHE")
+    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "projected_grpo"
+
+
+# --- atomic writes ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[pathlib.Path]:
+    """Yield a temp path beside `path`; on a clean exit it is fsynced and renamed over `path`, on an
+    exception removed. The parent directory is created if missing."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
+    try:
+        yield pathlib.Path(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[pathlib.Path]:
+    """Yield a fresh temp directory beside `path`; on a clean exit it is renamed to `path` (which must not
+    exist or be empty), on an exception removed. A concurrent writer that finished first wins."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+        yield tmp
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if not path.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json_atomic(path: str | os.PathLike, obj: object) -> None:
+    """Write `obj` as indented JSON atomically (NaN/inf refused: allow_nan=False)."""
+    write_text_atomic(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
+
+
+def write_jsonl_atomic(path: str | os.PathLike, rows: list) -> None:
+    """Write one JSON object per line atomically (NaN/inf refused)."""
+    write_text_atomic(path, "".join(json.dumps(r, allow_nan=False) + "\n" for r in rows))
+
+
+def save_tensors(path: str | os.PathLike, tensors: dict[str, torch.Tensor],
+                 metadata: dict[str, str] | None = None) -> None:
+    """Write tensors (made contiguous CPU copies) as safetensors with `metadata`, atomically."""
+    with atomic_path(path, ".safetensors") as tmp:
+        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}, str(tmp),
+                  metadata=metadata)
+
+
+# --- reads -----------------------------------------------------------------------------------------
+
+
+def load_tensors(path: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file; every tensor a fresh copy (64-byte aligned, not a view of
+    the file: see the module docstring). Unreadable files raise UserError naming the file."""
+    path = pathlib.Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+            tensors = {k: f.get_tensor(k).clone() for k in f.keys()}
+    except FileNotFoundError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise UserError(f"{path}: unreadable as safetensors ({type(e).__name__}: {e})") from e
+    return tensors, meta
+
+
+def read_jsonl(path: str | os.PathLike, error: type[Exception] = UserError) -> Iterator[tuple[str, object]]:
+    """Yield (where = "path:line", parsed object) per non-blank line; a bad line raises `error(where...)`.
+
+    The one JSONL reader (pools, pairs, datasets, metrics), so a malformed line reads the same everywhere.
+    A missing file raises UserError naming it."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{where}: invalid JSON ({e.msg} at column {e.colno}): {line[:80]!r}") from None
+            yield where, obj
+
+
+# --- hashes and fingerprints -----------------------------------------------------------------------
+
+
+def stable_hash(obj: object) -> str:
+    """SHA-256 (first 16 hex digits) of `obj` as canonical JSON; raises TypeError on non-JSON values."""
+    blob = json.dumps(obj, sort_keys=True, ensure_ascii=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def weight_hash(W: torch.Tensor) -> str:
+    """sha256 of W's raw bytes + dtype + shape; byte view, so bf16 (no numpy dtype) hashes too."""
+    h = hashlib.sha256(f"{W.dtype}|{tuple(W.shape)}|".encode())
+    # flatten before the byte view: a contiguous tensor with a size-1 dim may keep a stride != 1
+    h.update(W.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash (16 hex) of the tokenizer's vocabulary, merges, special tokens and chat template. Not of its
+    padding / truncation state, which transformers rewrites on every call with those options."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = {k: v for k, v in json.loads(backend.to_str()).items() if k not in ("padding", "truncation")}
+        body = json.dumps(spec, sort_keys=True)
+    else:
+        body = json.dumps(sorted(tokenizer.get_vocab().items()))
+    blob = json.dumps([body, getattr(tokenizer, "chat_template", None) or "", tokenizer.eos_token_id])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]

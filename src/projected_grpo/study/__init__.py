@@ -1,0 +1,1 @@
+"""Many runs: sweeps over arms and seeds, aggregation, verdicts, report."""
