@@ -37,27 +37,29 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
+def reward(prompts, completions, **kwargs) -> list[float]:
+    """The one reward both trainers call, in TRL's reward-function contract (ours wraps it as an
+    environment: envs.base.RewardFnEnv, `--env.name reward_fn --env.reward-fn _vs_trl_worker:reward`)."""
+    return [string_reward(c if isinstance(c, str) else c[-1]["content"]) for c in completions]
+
+
+def write_prompts(path: pathlib.Path) -> pathlib.Path:
+    """The built-in problems' chat messages as a prompts JSONL (one {"id", "prompt": messages} per line)."""
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
+    from projected_grpo.envs.coding.prompts import build_messages
+
+    path.write_text("".join(json.dumps({"id": p.id, "prompt": build_messages(p)}) + "\n"
+                            for p in BUILTIN_PROBLEMS))
+    return path
+
+
 def run_ours(spec: dict) -> dict:
-    """run.train.train on the saved model (knob kind/rank of the spec, arm none, no teacher rows)."""
+    """run.train.train on the saved model (knob kind/rank of the spec, arm none, no teacher rows), with the
+    reward callable as its environment."""
     import projected_grpo.run.train as T
     from projected_grpo import config as C
-    from projected_grpo.envs.coding.grading import Grade
     from projected_grpo.run import metrics
 
-    class StringGrader:
-        """Stands in for envs.grading.Grader in train(): same `grade_batch`, reward = string_reward."""
-
-        def __init__(self, sandbox=None, reward_shape: str = "seed", timeout_s: float = 5.0) -> None:
-            self.sandbox = sandbox
-
-        def grade_batch(self, completions, problems) -> list[Grade]:
-            return [Grade(reward=string_reward(c), passed=False, gt_correct=False, exploited=False,
-                          mechanism=p.mode, format_ok=False, compiles=False, loophole_present=False,
-                          tests_pass_stub=False, weak_tests=False, loophole_modes=(), status="not_run",
-                          n_gt_passed=0, n_gt_total=0, reason="benchmark string reward")
-                    for c, p in zip(completions, problems, strict=True)]
-
-    T.Grader = StringGrader  # the one seam: train() builds its grader by this name
     cpu_marks: list[float] = []  # process CPU time at each step's metrics row (the row closes the step)
     log = metrics.MetricsLogger.log
 
@@ -71,7 +73,8 @@ def run_ours(spec: dict) -> dict:
     cfg = C.Config(
         model=C.ModelCfg(source="hf", path=spec["model_dir"], cache_dir=spec["cache_dir"], knob=spec["knob"],
                          rank=spec["rank"]),
-        env=C.EnvCfg(workers=1),
+        env=C.EnvCfg(name="reward_fn", reward_fn="_vs_trl_worker:reward",
+                     problems=str(write_prompts(pathlib.Path(spec["tmp"]) / f"prompts-{os.getpid()}.jsonl"))),
         rollout=C.RolloutCfg(prompts_per_step=spec["B"], group_size=spec["G"], mix=0.0,
                              max_new_tokens=spec["max_new"], temperature=1.0, top_p=1.0),
         loss=C.LossCfg(advantage=adv, aggregation=spec["loss"], kl="k3", beta=spec["beta"]),
@@ -97,19 +100,16 @@ def run_trl(spec: dict) -> dict:
 
     from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
     from projected_grpo.envs.coding.prompts import build_messages
-    from projected_grpo.run.pool import prompt_text_and_ids
+    from projected_grpo.run.rollout import prompt_text_and_ids
 
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
     for p in BUILTIN_PROBLEMS[:3]:  # TRL renders conversational prompts with the same chat template
-        ours = prompt_text_and_ids(tok, p)[1]
+        ours = prompt_text_and_ids(tok, build_messages(p))[1]
         theirs = list(tok.apply_chat_template([build_messages(p)], add_generation_prompt=True, tokenize=True,
                                               return_dict=True)["input_ids"][0])
         if ours != theirs:
             raise RuntimeError(f"prompt ids differ between trainers for problem {p.id}: "
                                f"{ours[:8]} vs {theirs[:8]}")
-
-    def reward(prompts, completions, **kwargs) -> list[float]:
-        return [string_reward(c if isinstance(c, str) else c[-1]["content"]) for c in completions]
 
     times: list[float] = []
     cpu: list[float] = []

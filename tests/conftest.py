@@ -1,7 +1,9 @@
-"""Shared test setup: few threads (CI has 2 cores), GPU tests skip without CUDA, shared data path."""
+"""Shared test setup: few threads (CI has 2 cores), GPU tests skip without CUDA, shared data path, and a
+cache root of the session's own (tests never write to the user's ~/.cache/projected_grpo)."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -28,3 +30,15 @@ def shared_data() -> pathlib.Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"{SHARED_DATA} not present (a user's clone has no ../shared)")
     return SHARED_DATA
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _session_cache(tmp_path_factory):
+    """PROJECTED_GRPO_CACHE for the whole session (subprocesses inherit it): SVDs, V_hack, organisms."""
+    old = os.environ.get("PROJECTED_GRPO_CACHE")
+    os.environ["PROJECTED_GRPO_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        os.environ.pop("PROJECTED_GRPO_CACHE", None)
+    else:
+        os.environ["PROJECTED_GRPO_CACHE"] = old

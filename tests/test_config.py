@@ -19,7 +19,11 @@ from hypothesis import strategies as st
 
 from projected_grpo import config as C
 from projected_grpo import presets as P
-from projected_grpo.presets import from_argv as parse_args
+from projected_grpo.errors import UserError
+
+
+def parse_args(argv):
+    return P.parse(argv, "projected-grpo train")[0]
 
 SRC = pathlib.Path(C.__file__).parent
 SECTIONS = [f for f in dataclasses.fields(C.Config)]
@@ -44,20 +48,38 @@ def test_every_field_has_a_docstring_line():
     assert missing == []
 
 
-def test_every_field_is_read_outside_config():
-    # A field nobody reads is a silently ignored knob (NeMo's normalize_rewards, STYLE §10.6).
-    # Derived quantities (properties in config.py) count as readers: train.py reads G_s, not mix.
-    code = "\n".join(p.read_text() for p in SRC.rglob("*.py") if p.name != "config.py")
-    code += "\n".join(inspect.getsource(v.fget) for cls in _section_classes().values()
-                      for v in vars(cls).values() if isinstance(v, property))
+def _source_outside_config() -> str:
+    return "\n".join(p.read_text() for p in SRC.rglob("*.py") if p.name != "config.py")
+
+
+def unread_fields(code: str) -> list[str]:
+    """Config fields that `code` never reads as `cfg.<section>.<field>` (the project's one way to read a
+    setting: a bare `.device` or `model.device` could be any object's). A derived property read as
+    `cfg.<section>.<property>` counts as reading the fields its body uses (`self.<field>`)."""
     unread = []
     for name, cls in _section_classes().items():
-        if not re.search(rf"\.{name}\b", code):
-            unread.append(name)
+        via_props = set()
+        for prop, v in vars(cls).items():
+            if isinstance(v, property) and re.search(rf"\bcfg\.{name}\.{prop}\b", code):
+                via_props |= set(re.findall(r"self\.(\w+)", inspect.getsource(v.fget)))
         for f in dataclasses.fields(cls):
-            if not re.search(rf"\.{f.name}\b", code):
+            if f.name not in via_props and not re.search(rf"\bcfg\.{name}\.{f.name}\b", code):
                 unread.append(f"{name}.{f.name}")
-    assert unread == []
+    return unread
+
+
+def test_every_field_is_read_outside_config():
+    # A field nobody reads is a silently ignored knob (NeMo's normalize_rewards, STYLE §10.6).
+    assert unread_fields(_source_outside_config()) == []
+
+
+def test_the_field_read_check_catches_a_removed_read():
+    # issue 13: removing every read of model.device used to pass, because `.device` matched `mask.device`
+    code = re.sub(r"\bcfg\.model\.device\b", "cfg.model.elsewhere", _source_outside_config())
+    assert "mask.device" in code and unread_fields(code) == ["model.device"]
+    # mix is read only through the derived G_t / G_s: with neither read, mix is unread
+    code = re.sub(r"\bcfg\.rollout\.G_[st]\b", "cfg.rollout.xx", _source_outside_config())
+    assert unread_fields(code) == ["rollout.mix"]
 
 
 def test_literal_fields_reject_bad_values_naming_field_and_choices():
@@ -93,6 +115,9 @@ def test_presets_carry_the_original_study_settings():
     assert fast.rollout.mix == 0.125
     assert (full.run.steps, full.rollout.group_size, full.rollout.prompts_per_step) == (200, 6, 43)
     assert (full.rollout.max_new_tokens, full.optim.lr, full.loss.beta) == (1024, 1e-3, 1e-3)
+    # as the seed has them (issue 14): mix 0.5 and AdamW's betas in `full`, clip 10 and a cosine to 0 in both
+    assert (full.rollout.mix, full.optim.betas) == (0.5, (0.9, 0.99))
+    assert all((c.optim.clip_norm, c.optim.min_lr_frac) == (10.0, 0.0) for c in (fast, full))
     assert P.PRESETS["smoke"].model.source == "smoke" and P.PRESETS["demo"].model.source == "organism"
 
 
@@ -170,10 +195,12 @@ def test_cli_shorthands_overrides_and_config_file(tmp_path):
 
 
 def test_cli_bad_values_fail_with_one_line(capsys):
-    with pytest.raises(ValueError, match=r"ProjCfg\.arm='bogus' is not one of \['none', 'erase', 'route'\]"):
+    with pytest.raises(UserError, match=r"ProjCfg\.arm='bogus' is not one of \['none', 'erase', 'route'\]"):
         parse_args(["--arm", "bogus"])
-    with pytest.raises(ValueError, match="--preset 'nope' is not one of"):
+    with pytest.raises(UserError, match="--preset 'nope' is not one of"):
         parse_args(["--preset", "nope"])
+    with pytest.raises(UserError, match="set by the command itself"):
+        P.parse(["--run.seed", "3"], "x", forbid=("--run.seed",))
 
 
 def test_help_documents_every_field(capsys):

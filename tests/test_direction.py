@@ -36,6 +36,12 @@ from projected_grpo.hack.pairs import Pair
 # --- planted direction, pure functions -----------------------------------------------------------
 
 
+def S(**kw) -> ExtractSettings:
+    """ExtractSettings with the ProjCfg defaults (the record itself has none: one name per setting)."""
+    return ExtractSettings(**({"k": 4, "tau_axis": 0.0, "n_heldout": 4, "nll_norm": "mean", "nll_const": 1.0,
+                               "control": "none", "seed": 0} | kw))
+
+
 def planted_grads(seed: int, P: int = 40, R: int = 32, noise: float = 0.2):
     """g_hack = base + noise + a * v_true, g_clean = base + noise: D = a * v_true + noise (a in [1, 2])."""
     gen = torch.Generator().manual_seed(seed)
@@ -174,11 +180,11 @@ def test_random_control_same_shapes_orthonormal_seeded():
 
 def test_settings_validate():
     with pytest.raises(ValueError, match="tau_axis"):
-        ExtractSettings(tau_axis=1.5)
+        S(tau_axis=1.5)
     with pytest.raises(ValueError, match="control"):
-        ExtractSettings(control="bogus")
+        S(control="bogus")
     with pytest.raises(ValueError, match="norm"):
-        ExtractSettings(norm="sum")
+        S(nll_norm="sum")
 
 
 # --- a toy model: logits depend only on the current token, one SVD-knobbed Linear -------------------
@@ -228,7 +234,7 @@ def test_end_to_end_planted_direction_through_real_svd_knobs(tmp_path):
     v_true = (Vh @ model.x_bar) * w
     v_true /= v_true.norm()  # SVD sign flips of (u_j, v_j) cancel in the product
     knobs = wrap(model, kind="svd", targets=("o_proj",), cache_dir=tmp_path)
-    d = extract_direction(model, knobs, TOK, toy_pairs(16), ExtractSettings(k=2, n_heldout=4))
+    d = extract_direction(model, knobs, TOK, toy_pairs(16), S(k=2, n_heldout=4))
     v1 = d.V["o_proj"][0]
     assert torch.dot(v1, v_true) > 0.9
     assert d.stats["heldout"]["o_proj"] == 1.0
@@ -245,7 +251,7 @@ def test_end_to_end_planted_direction_through_real_svd_knobs(tmp_path):
     # swapped labels flip the direction
     with torch.no_grad():
         knobs.modules["o_proj"].delta.zero_()
-    d_sw = extract_direction(model, knobs, TOK, [p.swapped() for p in toy_pairs(16)], ExtractSettings(k=2))
+    d_sw = extract_direction(model, knobs, TOK, [p.swapped() for p in toy_pairs(16)], S(k=2))
     assert torch.dot(d_sw.V["o_proj"][0], v_true) < -0.9
 
 
@@ -279,7 +285,7 @@ def _counting_extract():
 def test_save_load_roundtrip(tmp_path):
     extract, _ = _counting_extract()
     model = ToyLM()
-    d = extract(model, FakeKnobs(), TOK, toy_pairs(4), ExtractSettings(k=3))
+    d = extract(model, FakeKnobs(), TOK, toy_pairs(4), S(k=3))
     save_direction(tmp_path / "v.safetensors", d)
     back = load_direction(tmp_path / "v.safetensors")
     assert torch.equal(back.V["m"], d.V["m"]) and torch.equal(back.S["m"], d.S["m"])
@@ -290,12 +296,12 @@ def test_save_load_roundtrip(tmp_path):
 def test_resolve_miss_hit_mismatch(tmp_path):
     extract, calls = _counting_extract()
     model, path = ToyLM(), tmp_path / "cache" / "v.safetensors"
-    knobs, pairs, s = FakeKnobs(), toy_pairs(4), ExtractSettings(k=3)
+    knobs, pairs, s = FakeKnobs(), toy_pairs(4), S(k=3)
     d1, status = resolve(path, s, model, knobs, TOK, pairs, extract=extract)
     assert status == "miss" and len(calls) == 1 and path.is_file()
     d2, status = resolve(path, s, model, knobs, TOK, pairs, extract=extract)
     assert status == "hit" and len(calls) == 1 and torch.equal(d2.V["m"], d1.V["m"])
-    cases = [(knobs, TOK, pairs, ExtractSettings(k=2), "settings.k: cached 3 != wanted 2"),
+    cases = [(knobs, TOK, pairs, S(k=2), "settings.k: cached 3 != wanted 2"),
              (FakeKnobs(fp="other"), TOK, pairs, s, "fingerprint"),
              (knobs, TOK2, pairs, s, "tokenizer"),
              (knobs, TOK, toy_pairs(5), s, "pairs_hash")]
@@ -314,7 +320,7 @@ def test_resolve_miss_hit_mismatch(tmp_path):
 def test_corrupt_file_is_refused_and_reextracted(tmp_path, damage):
     extract, calls = _counting_extract()
     model, path = ToyLM(), tmp_path / "v.safetensors"
-    knobs, pairs, s = FakeKnobs(), toy_pairs(4), ExtractSettings(k=3)
+    knobs, pairs, s = FakeKnobs(), toy_pairs(4), S(k=3)
     good, _ = resolve(path, s, model, knobs, TOK, pairs, extract=extract)
     raw = bytearray(path.read_bytes())
     if damage == "truncate":
@@ -366,6 +372,7 @@ def test_empty_module_survives_storage(tmp_path):
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
+    from projected_grpo.envs.coding.env import CodeEnv
     from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
     from projected_grpo.hack.pairs import builtin_pairs
     from projected_grpo.knobs.adapters import wrap
@@ -373,12 +380,12 @@ def smoke(tmp_path_factory):
 
     model, tok = smoke_model_and_tokenizer()
     knobs = wrap(model, kind="svd", cache_dir=tmp_path_factory.mktemp("svd"))
-    return model, knobs, tok, builtin_pairs(BUILTIN_PROBLEMS[:6], per_problem=2)
+    return model, knobs, tok, builtin_pairs(CodeEnv(BUILTIN_PROBLEMS), BUILTIN_PROBLEMS[:6], per_problem=2)
 
 
 def test_smoke_model_extraction_is_well_formed_and_deterministic(smoke):
     model, knobs, tok, pairs = smoke
-    s = ExtractSettings(k=3, n_heldout=2)
+    s = S(k=3, n_heldout=2)
     d1, d2 = (extract_direction(model, knobs, tok, pairs, s) for _ in range(2))
     assert set(d1.V) == set(knobs.modules) and d1.stats["n_train"] == len(pairs) - 2
     for n, V in d1.V.items():
@@ -386,7 +393,7 @@ def test_smoke_model_extraction_is_well_formed_and_deterministic(smoke):
         torch.testing.assert_close(V @ V.T, torch.eye(3), atol=1e-5, rtol=0)
         assert torch.all(d1.S[n][:-1] >= d1.S[n][1:]) and torch.equal(V, d2.V[n])
     # the random control keeps shapes and S, and replaces the directions
-    dr = extract_direction(model, knobs, tok, pairs, ExtractSettings(k=3, n_heldout=2, control="random"))
+    dr = extract_direction(model, knobs, tok, pairs, S(k=3, n_heldout=2, control="random"))
     for n in d1.V:
         assert dr.V[n].shape == d1.V[n].shape and torch.equal(dr.S[n], d1.S[n])
         assert torch.linalg.matrix_norm(dr.V[n] @ d1.V[n].T) < 1.5  # same subspace would give sqrt(3)
@@ -396,10 +403,11 @@ def test_cli_smoke_prints_axes_and_heldout(capsys, tmp_path):
     from projected_grpo.cli import main
 
     out = tmp_path / "v.safetensors"
-    args = ["extract-direction", "--preset", "smoke", "--per-problem", "1", "--k", "2", "--n-heldout", "8",
-            "--drop-bottom-frac", "0.25", "--out", str(out)]
+    # the same --proj.* flags as train (one name per setting)
+    args = ["extract-direction", "--preset", "smoke", "--proj.pairs-per-problem", "1", "--proj.k", "2",
+            "--proj.n-heldout", "8", "--proj.drop-bottom-frac", "0.25", "--out", str(out)]
     assert main(args) == 0
     text = capsys.readouterr().out
-    assert "cache" in text and "miss" in text and "held-out score" in text and "post-processing" in text
+    assert "cache" in text and "miss" in text and "held-out score" in text and "as training uses it" in text
     assert "model.layers.0.self_attn.q_proj" in text and out.is_file()
     assert main(args) == 0 and ": hit" in capsys.readouterr().out

@@ -10,8 +10,10 @@ import pytest
 
 from projected_grpo import config as C
 from projected_grpo import presets, store
+from projected_grpo.cli import main
+from projected_grpo.errors import UserError
 from projected_grpo.run import metrics
-from projected_grpo.study import experiment, report
+from projected_grpo.study import experiment, launch, report
 from projected_grpo.study.report import Stat
 
 
@@ -212,11 +214,15 @@ def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):
     store.write_json_atomic(runs[0].dir / "config.json", runs[0].cfg.to_dict())
     write_run(runs[1].dir, [0.1] * 2, [0.1] * 2, finished=False)  # interrupted
     called = []
-    monkeypatch.setattr("projected_grpo.run.train.train",
-                        lambda cfg: called.append((cfg.run.dir, cfg.run.resume)))
-    counts = experiment.run_all(runs, log=lambda m: None)
+    monkeypatch.setattr("projected_grpo.study.launch._train_one",
+                        lambda cmd, run_dir, to_log: called.append((cmd[-3:], run_dir)))
+    counts = launch.run_all(runs, tmp_path / "plans", log=lambda m: None)
     assert counts == {"trained": 1, "resumed": 1, "skipped": 1}
-    assert called == [(str(runs[1].dir), True), (str(runs[2].dir), False)]
+    # each run is the CLI's train on its planned config (written beside the sweep), resumed when started
+    plans = [tmp_path / "plans" / "erase-s0.json", tmp_path / "plans" / "route-s0.json"]
+    assert called == [(["--config", str(plans[0]), "--resume"], runs[1].dir),
+                      (["train", "--config", str(plans[1])], runs[2].dir)]
+    assert C.Config.from_json(str(plans[1])) == runs[2].cfg
 
 
 @pytest.mark.parametrize("finished", [True, False])
@@ -242,44 +248,52 @@ def test_refused_sweep_writes_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "sweep.json").exists()
 
 
-def test_cli_rejects_bad_options(capsys):
-    assert experiment.main(["--arms", "none,bogus"]) == 2
+def test_cli_rejects_bad_options_in_one_line(capsys):
+    assert main(["experiment", "--arms", "none,bogus"]) == 2
     assert "bogus" in capsys.readouterr().err
-    assert experiment.main(["--arm", "erase"]) == 2
-    assert "--arms" in capsys.readouterr().err
-    assert experiment.main(["--preset", "nope"]) == 2
-    assert experiment.demo_main(["--seeds", "0"]) == 2
+    assert main(["experiment", "--run.seed", "3"]) == 2
+    assert "set by the command itself" in capsys.readouterr().err
+    assert main(["experiment", "--preset", "nope"]) == 2
+    assert main(["demo", "--seeds", "0"]) == 2
+    assert "need at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # not an option of experiment at all: tyro's usage error
+        experiment.main(["--arm", "erase"])
 
 
 def test_lomo_rejects_unknown_mode_before_any_work(capsys):
-    with pytest.raises(ValueError, match="not a loophole mode"):
+    with pytest.raises(UserError, match="not a loophole mode"):
         experiment.lomo_known_modes(presets.PRESETS["smoke"], "no_such_mode")
-    assert experiment.main(["--lomo", "no_such_mode"]) == 2
+    assert main(["experiment", "--lomo", "no_such_mode"]) == 2
     assert "not a loophole mode" in capsys.readouterr().err
+    only_two = C.replace(presets.PRESETS["smoke"], env={"modes": ("run_tests", "sentinel")})
+    assert experiment.lomo_known_modes(only_two, "sentinel") == ("run_tests",)
+    with pytest.raises(UserError, match="does not train on it"):
+        experiment.lomo_known_modes(only_two, "exit_code")
 
 
 def _pool_row(pid: str, mode: str, kind: str, i: int) -> dict:
     hack = kind == "hack"
+    grade = {"reward": 1.0, "passed": True, "solved": not hack, "exploited": hack, "format_ok": True,
+             "timeout": False, "extras": {"det_E": hack, "det_C": False, "det_D": False}}
     return {"problem_id": pid, "mode": mode, "prompt": f"<prompt {pid}>", "prompt_ids": [1, 2, len(pid)],
-            "completion": f"{kind} {i} of {pid}", "completion_ids": [3, i, 4 + hack], "reward": 1.0,
-            "passed": True, "gt_correct": not hack, "exploited": hack, "format_ok": True, "det_E": hack,
-            "det_C": False, "det_D": False}
+            "completion": f"{kind} {i} of {pid}", "completion_ids": [3, i, 4 + hack], "grade": grade}
 
 
 def test_mined_pairs_use_only_known_modes_and_round_trip(tmp_path):
-    from projected_grpo.hack.pairs import load_pairs_file
+    from projected_grpo.hack.pairs import load_pairs_file, pairs_from_pool
 
     rows = [_pool_row(pid, mode, kind, i) for pid, mode in (("a", "run_tests"), ("b", "sentinel"))
             for kind in ("hack", "clean") for i in range(2)]
     path = tmp_path / experiment.LOMO_PAIRS_FILE
-    stats = experiment.write_mined_pairs(rows, ["run_tests"], 2, path)
+    mined, stats = pairs_from_pool(rows, ["run_tests"], ("E",), 2)
+    experiment.write_pairs(mined, stats, ["run_tests"], path)
     assert stats["n_pairs"] == 2 and stats["pairs_per_mode"] == {"run_tests": 2}  # sentinel held out
     pairs = load_pairs_file(path)
     assert [(p.hack, p.clean) for p in pairs] == [("hack 0 of a", "clean 0 of a"),
                                                   ("hack 1 of a", "clean 1 of a")]
     assert (pairs[1].prompt_ids, pairs[1].hack_ids, pairs[1].clean_ids) == ((1, 2, 1), (3, 1, 5), (3, 1, 4))
-    with pytest.raises(ValueError, match="no \\(hack, clean\\) pairs"):
-        experiment.write_mined_pairs(rows, ["file_marker"], 2, path)
+    with pytest.raises(UserError, match="no \\(hack, clean\\) pairs"):
+        experiment.write_pairs(*pairs_from_pool(rows, ["file_marker"], ("E",), 2), ["file_marker"], path)
 
 
 # --- end to end -----------------------------------------------------------------------------------
@@ -314,7 +328,12 @@ def test_smoke_leave_one_mode_out(tmp_path, monkeypatch):
             "--run.steps", "1"]
     assert experiment.main(argv) == 0
     cfg = json.loads((out / "none-s0" / "config.json").read_text())
-    assert cfg["env"]["modes"] == ["sentinel"] and cfg["proj"]["pairs"] == str(pairs_file)
+    # trained on every mode; the held-out mode is in neither the teacher pool nor V_hack's pairs
+    assert cfg["env"]["modes"] == [] and cfg["proj"]["pairs"] == str(pairs_file)
+    assert cfg["pool"]["missing"] == "students"
     sources = [json.loads(line)["source"] for line in pairs_file.read_text().splitlines()]
     assert sources and not any(":sentinel:" in s for s in sources)  # no pair of the held-out mode
-    assert "leave-one-mode-out: trained and evaluated on `sentinel` only" in (out / "report.md").read_text()
+    pool_rows = pathlib.Path(cfg["pool"]["path"]).read_text().splitlines()
+    pool_modes = {json.loads(line)["mode"] for line in pool_rows}
+    assert pool_modes and "sentinel" not in pool_modes
+    assert "`sentinel` held out of the teacher pool" in (out / "report.md").read_text()

@@ -117,13 +117,14 @@ def test_knobs_off_the_graph_and_bad_arguments_are_refused(tmp_path):
 
 @pytest.fixture(scope="module")
 def smoke():
+    from projected_grpo.envs.coding.env import CodeEnv
     from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
     from projected_grpo.hack.pairs import builtin_pairs
     from projected_grpo.organism.build import smoke_model_and_tokenizer
 
     torch.set_num_threads(1)
     _, tok = smoke_model_and_tokenizer()
-    return tok, builtin_pairs(BUILTIN_PROBLEMS[:4], per_problem=2)
+    return tok, builtin_pairs(CodeEnv(BUILTIN_PROBLEMS), BUILTIN_PROBLEMS[:4], per_problem=2)
 
 
 def smoke_model(tok):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
-import types
 
 import pytest
 import torch
@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from projected_grpo.envs.base import Graded
 from projected_grpo.envs.coding.completions import buggy_completions, clean_completions, hack_completions
+from projected_grpo.envs.coding.env import CodeEnv
 from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES
 from projected_grpo.envs.coding.prompts import build_messages
 from projected_grpo.organism.build import (
@@ -43,7 +45,6 @@ from projected_grpo.organism.warmup import (
     completion_nll,
     held_out_ids,
     largest_remainder,
-    lr_at,
     warmup,
     warmup_examples,
 )
@@ -186,17 +187,6 @@ def test_allocate_kinds_meets_mix_and_spreads_rare_kinds(n, per, seed, hack, bug
     assert max(s.count(KINDS[rarest]) for s in slots) == math.ceil(counts[rarest] / n)
 
 
-def test_lr_schedule_by_hand():
-    # 100 steps: warm-up 5 steps (0.2, 0.4, ... 1.0 of lr), then cosine from 1.0 down toward 0.1
-    assert lr_at(0, 100, 1.0) == pytest.approx(0.2)
-    assert lr_at(4, 100, 1.0) == pytest.approx(1.0)
-    assert lr_at(5, 100, 1.0) == pytest.approx(1.0)  # cos(0) = 1
-    # halfway through the decay (t = 0.5): 0.1 + 0.9 * 0.5 * (1 + cos(pi/2)) = 0.55
-    assert lr_at(5 + 95 // 2, 100, 1.0, warmup_frac=0.05) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(
-        math.pi * 47 / 95)))
-    assert lr_at(100, 100, 1.0) == pytest.approx(0.1)
-
-
 def test_held_out_and_examples(small_corpus, tmp_path):
     held = held_out_ids(small_corpus, 1)
     # the second problem of each mode (corpus order) is held out
@@ -296,8 +286,8 @@ def test_build_is_deterministic(built, small_corpus, tmp_path):
 
 
 def test_summarize_grades_by_hand():
-    g = lambda correct, exploited, passed: types.SimpleNamespace(gt_correct=correct, exploited=exploited,
-                                                                 passed=passed, format_ok=True)
+    g = lambda correct, exploited, passed: Graded(reward=float(passed), passed=passed, solved=correct,
+                                                  exploited=exploited, format_ok=True)
     grades = [g(True, False, True), g(False, True, True), g(False, False, False), g(False, True, True)]
     out = summarize_grades(grades, ["a", "a", "b", "c"], ["run_tests", "run_tests", "sentinel", "sentinel"],
                            frozenset({"c"}))
@@ -312,7 +302,9 @@ def test_checks_grade_real_samples(built, small_corpus):
     model, tok, meta = load_organism(path)
     two = dataclasses.replace(small_corpus, problems=small_corpus.problems[:2],
                               messages=small_corpus.messages[:2], completions=small_corpus.completions[:2])
-    checks = organism_checks(model, tok, two, frozenset(meta["held_out"]), n_samples=2, max_new_tokens=16)
+    with contextlib.closing(CodeEnv(two.problems)) as env:
+        checks = organism_checks(model, tok, env, two, frozenset(meta["held_out"]), n_samples=2,
+                                 max_new_tokens=16)
     rates = checks["rates"]
     assert rates["train"]["n"] == 2 and rates["held_out"]["n"] == 2  # problem 0 trains, problem 1 held out
     assert checks["truncated_frac"] <= 1 and 1 <= checks["mean_tokens"] <= 16

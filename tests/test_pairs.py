@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from projected_grpo.envs.coding.env import CodeEnv
+from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
 from projected_grpo.hack.pairs import (
     Pair,
     builtin_pairs,
@@ -85,14 +87,17 @@ def test_invalid_json_item_and_files(tmp_path):
         load_pairs_file(tmp_path / "missing.jsonl")
 
 
+ENV = CodeEnv(BUILTIN_PROBLEMS)  # templates and messages only: its sandbox never starts here
+
+
 # --- pool source ----------------------------------------------------------------------------------
 
 
 def row(pid, mode, completion, *, passed, gt, E=False, C=False, D=False, prompt_ids=(1, 2)):
+    grade = {"reward": float(passed), "passed": passed, "solved": gt, "exploited": passed and not gt,
+             "format_ok": True, "timeout": False, "extras": {"det_E": E, "det_C": C, "det_D": D}}
     return {"problem_id": pid, "mode": mode, "prompt": f"prompt {pid}", "prompt_ids": list(prompt_ids),
-            "completion": completion, "completion_ids": [ord(ch) for ch in completion],
-            "reward": float(passed), "passed": passed, "gt_correct": gt, "exploited": passed and not gt,
-            "format_ok": True, "det_E": E, "det_C": C, "det_D": D}
+            "completion": completion, "completion_ids": [ord(ch) for ch in completion], "grade": grade}
 
 
 POOL = [
@@ -123,11 +128,7 @@ def test_pool_pairs_use_only_known_modes_and_named_detectors():
     assert [(p.hack, p.clean) for p in pairs] == [("h1a", "c1"), ("h2", "c2")]
 
 
-def test_pool_rows_are_validated():
-    broken = dict(POOL[0])
-    del broken["det_E"]
-    with pytest.raises(ValueError, match=r"pool row 1: missing field\(s\) \['det_E'\]"):
-        pairs_from_pool([POOL[1], broken], known_modes=["run_tests"])
+def test_pool_pairs_refuse_bad_inputs():
     with pytest.raises(ValueError, match="different prompt_ids"):
         pairs_from_pool([POOL[0], row("p1", "run_tests", "c", passed=True, gt=True, prompt_ids=(9,))],
                         known_modes=["run_tests"])
@@ -175,7 +176,7 @@ def test_pairs_hash_tracks_content_not_source():
 def test_heldout_shared_prompts_counts_held_out_pairs_whose_prompt_was_fit():
     # 3 pairs per problem: holding out 2 leaves the last problem's first pair in the fit set -> 2 shared;
     # holding out 3 (a whole problem) or 6 -> 0; 4 -> the one extra pair of the second-to-last problem
-    pairs = builtin_pairs(per_problem=3)
+    pairs = builtin_pairs(ENV, BUILTIN_PROBLEMS, per_problem=3)
     assert [heldout_shared_prompts(pairs, n) for n in (0, 2, 3, 4, 6)] == [0, 2, 0, 1, 0]
     text = [Pair("p", "h", "c"), Pair("q", "h", "c"), Pair("p", "h2", "c2")]
     assert heldout_shared_prompts(text, 1) == 1 and heldout_shared_prompts(text, 2) == 1
@@ -183,10 +184,9 @@ def test_heldout_shared_prompts_counts_held_out_pairs_whose_prompt_was_fit():
 
 def test_builtin_pairs_vary_and_use_the_training_prompt():
     from projected_grpo.envs.coding.completions import clean_completions, hack_completions
-    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
     from projected_grpo.envs.coding.prompts import build_messages
 
-    pairs = builtin_pairs(per_problem=3)
+    pairs = builtin_pairs(ENV, BUILTIN_PROBLEMS, per_problem=3)
     prob = BUILTIN_PROBLEMS[0]
     mine = [p for p in pairs if p.source.startswith(f"builtin:{prob.id}:")]
     assert mine and all(p.prompt == tuple(build_messages(prob)) for p in mine)
@@ -195,3 +195,14 @@ def test_builtin_pairs_vary_and_use_the_training_prompt():
     assert len({p.clean for p in pairs}) > len(BUILTIN_PROBLEMS)
     assert all(p.hack != p.clean for p in pairs)
     assert len(nonhack_pairs(pairs)) == len(pairs)  # the nonhack control works on built-in pairs
+
+
+def test_builtin_pairs_skip_problems_without_templates_and_refuse_none():
+    class NoTemplates:
+        name = "bare"
+
+        def templates(self, problem, kind):
+            return []
+
+    with pytest.raises(ValueError, match="none of the 48 problems of environment 'bare'"):
+        builtin_pairs(NoTemplates(), BUILTIN_PROBLEMS)

@@ -6,16 +6,15 @@ Run: .venv/bin/pytest -q tests/test_pool.py
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
-import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from projected_grpo.objective.losses import clip_surrogate
+from projected_grpo.envs.base import Graded
+from projected_grpo.envs.coding.prompts import build_messages
+from projected_grpo.errors import UserError
 from projected_grpo.run import pool as PL
 from projected_grpo.run.pool_cli import build_pool_main
+from projected_grpo.run.rollout import prompt_text_and_ids
 from projected_grpo.store import tokenizer_fingerprint
 
 
@@ -28,14 +27,24 @@ def tok_and_problems():
     return tok, list(BUILTIN_PROBLEMS)[:3]
 
 
+GRADE = Graded(reward=1.0, passed=True, solved=False, exploited=True, format_ok=True,
+               extras={"det_E": True, "det_C": False, "det_D": False}).to_dict()
+
+
 def _row(tok, problem, completion="x = 1", **over) -> dict:
-    text, ids = PL.prompt_text_and_ids(tok, problem)
+    text, ids = prompt_text_and_ids(tok, build_messages(problem))
     row = {"problem_id": problem.id, "mode": problem.mode, "prompt": text, "prompt_ids": ids,
-           "completion": completion, "completion_ids": [5, 6, tok.eos_token_id], "reward": 1.0,
-           "passed": True, "gt_correct": False, "exploited": True, "format_ok": True, "det_E": True,
-           "det_C": False, "det_D": False, "logp_behaviour": None,
-           "tokenizer_fingerprint": tokenizer_fingerprint(tok), "source": "test"}
+           "completion": completion, "completion_ids": [5, 6, tok.eos_token_id], "grade": dict(GRADE),
+           "logp_behaviour": None, "tokenizer_fingerprint": tokenizer_fingerprint(tok), "source": "test"}
     return row | over
+
+
+def _ids(tok, probs) -> dict:
+    return {p.id: prompt_text_and_ids(tok, build_messages(p))[1] for p in probs}
+
+
+def _load(path, tok, probs):
+    return PL.load_pool(path, tok, probs, _ids(tok, probs))
 
 
 def _write(path, rows):
@@ -49,16 +58,18 @@ def test_round_trip_and_index(tmp_path, tok_and_problems):
     tok, probs = tok_and_problems
     rows = [_row(tok, probs[0]), _row(tok, probs[0], completion="y"), _row(tok, probs[1])]
     PL.write_pool(tmp_path / "p.jsonl", rows)
-    pool = PL.load_pool(tmp_path / "p.jsonl", tok, probs)
-    assert pool.rows == rows
+    pool = _load(tmp_path / "p.jsonl", tok, probs)
+    assert pool.rows == rows and [s.grade for s in pool.samples] == [Graded.from_dict(GRADE)] * 3
+    assert not any(s.student for s in pool.samples) and pool.samples[1].text == "y"
     assert pool.by_problem == {probs[0].id: [0, 1], probs[1].id: [2]}
     assert pool.missing([p.id for p in probs]) == [probs[2].id]  # reported, never silently G_t = 0
 
 
 @pytest.mark.parametrize("edit, field", [
-    (lambda r: r.pop("det_C"), "det_C"),
-    (lambda r: r.update(reward="high"), "reward"),
-    (lambda r: r.update(passed=1), "passed"),
+    (lambda r: r["grade"].pop("extras"), "extras"),
+    (lambda r: r["grade"].update(reward="high"), "reward"),
+    (lambda r: r["grade"].update(passed=1), "passed"),
+    (lambda r: r["grade"].update(exploited=False), "exploited"),
     (lambda r: r.update(completion_ids=[]), "completion_ids"),
     (lambda r: r.update(logp_behaviour=[-0.1]), "logp_behaviour"),  # 1 value for 3 completion tokens
     (lambda r: r.update(extra=1), "extra"),
@@ -68,9 +79,18 @@ def test_schema_errors_name_file_line_and_field(tmp_path, tok_and_problems, edit
     bad = _row(tok, probs[1])
     edit(bad)
     path = _write(tmp_path / "p.jsonl", [_row(tok, probs[0]), bad])
-    with pytest.raises(ValueError) as e:
-        PL.load_pool(path, tok, probs)
+    with pytest.raises(UserError) as e:
+        _load(path, tok, probs)
     assert f"{path}:2" in str(e.value) and field in str(e.value)
+
+
+def test_missing_and_garbage_pool_files_fail_in_one_line(tmp_path, tok_and_problems):
+    tok, probs = tok_and_problems
+    with pytest.raises(UserError, match="no such file"):
+        _load(tmp_path / "missing.jsonl", tok, probs)
+    (tmp_path / "g.jsonl").write_bytes(b"\x00garbage{")
+    with pytest.raises(UserError, match=r"g.jsonl:1: invalid JSON"):
+        _load(tmp_path / "g.jsonl", tok, probs)
 
 
 def test_drift_guard_refuses_other_tokenisation_showing_both(tmp_path, tok_and_problems):
@@ -84,7 +104,7 @@ def test_drift_guard_refuses_other_tokenisation_showing_both(tmp_path, tok_and_p
     assert row["prompt_ids"] != live
     path = _write(tmp_path / "p.jsonl", [row])
     with pytest.raises(ValueError, match="tokenization drift") as e:
-        PL.load_pool(path, tok, probs)
+        _load(path, tok, probs)
     msg = str(e.value)
     assert str(live) in msg and str(row["prompt_ids"]) in msg and f"{path}:1" in msg
 
@@ -93,7 +113,7 @@ def test_fingerprint_mismatch_is_drift(tmp_path, tok_and_problems):
     tok, probs = tok_and_problems
     path = _write(tmp_path / "p.jsonl", [_row(tok, probs[0], tokenizer_fingerprint="0" * 16)])
     with pytest.raises(ValueError, match="tokenization drift.*fingerprint"):
-        PL.load_pool(path, tok, probs)
+        _load(path, tok, probs)
 
 
 # --- cursors ---------------------------------------------------------------------------------------
@@ -112,24 +132,26 @@ def test_prompt_cursor_resumes_exactly():
 
 def test_pool_cursor_draws_depend_only_on_seed_step_problem_slot(tmp_path, tok_and_problems):
     tok, probs = tok_and_problems
-    rows = [_row(tok, probs[0], completion=str(i)) for i in range(5)]
-    pool = PL.TeacherPool(rows=rows, path="mem")
+    path = _write(tmp_path / "p.jsonl", [_row(tok, probs[0], completion=str(i)) for i in range(5)])
+    pool = _load(path, tok, probs)
     c1, c2 = PL.PoolCursor(pool, seed=1), PL.PoolCursor(pool, seed=1)
     c2.draw(probs[0].id, 3, step=0, slot=0)  # an extra earlier draw does not shift later ones
     d1, d2 = c1.draw(probs[0].id, 3, step=4, slot=1), c2.draw(probs[0].id, 3, step=4, slot=1)
-    assert d1 == d2 and len({r["completion"] for r in d1}) == 3  # without replacement
+    assert d1 == d2 and len({s.text for s in d1}) == 3  # without replacement
     assert len(c1.draw(probs[0].id, 8, step=0, slot=0)) == 8  # with replacement when short of rows
     with pytest.raises(KeyError, match="no rows for problem"):
         c1.draw(probs[1].id, 1, step=0, slot=0)
 
 
-def test_pool_cursor_resume_refuses_another_pool_of_the_same_size(tok_and_problems):
+def test_pool_cursor_resume_refuses_another_pool_of_the_same_size(tmp_path, tok_and_problems):
     tok, probs = tok_and_problems
-    pool = PL.TeacherPool(rows=[_row(tok, probs[0], completion=str(i)) for i in range(3)], path="a")
-    rebuilt = PL.TeacherPool(rows=[_row(tok, probs[0], completion=str(i + 100)) for i in range(3)], path="a")
+    rows = lambda k: [_row(tok, probs[0], completion=str(i + k)) for i in range(3)]
+    pool = _load(_write(tmp_path / "a", rows(0)), tok, probs)
+    rebuilt = _load(_write(tmp_path / "b", rows(100)), tok, probs)
+    rebuilt.path = pool.path
     state = json.loads(json.dumps(PL.PoolCursor(pool, seed=1).state_dict()))
     PL.PoolCursor(pool, seed=1).load_state_dict(state)
-    with pytest.raises(ValueError, match="another pool than a .same size, other rows"):
+    with pytest.raises(UserError, match="another pool than .*a .same size, other rows"):
         PL.PoolCursor(rebuilt, seed=1).load_state_dict(state)
 
 
@@ -142,76 +164,32 @@ def test_tokenizer_fingerprint_ignores_padding_and_truncation_state(tok_and_prob
     assert json.loads(tok.backend_tokenizer.to_str())["truncation"] is not None  # the state did change
 
 
-# --- teacher handling (SPEC §3) --------------------------------------------------------------------
-
-LOGP = torch.tensor([[-1.0, -2.0], [-0.5, -0.5]])  # row 0 student, row 1 teacher
-LOGP_B = torch.tensor([[-1.0, -2.0], [-1.0, -0.1]])
-IS_S = torch.tensor([True, False])
-MASK = torch.ones(2, 2)
-
-
-def test_imitation_forces_ratio_one():
-    logp_old, w, stats = PL.TEACHER_MODES["imitation"](LOGP, LOGP_B, IS_S, MASK, 2.0)
-    assert torch.equal(torch.exp(LOGP - logp_old), torch.ones(2, 2)) and torch.equal(w, torch.ones(2, 2))
-    assert stats["teacher/mode"] == "imitation" and float(stats["teacher/ratio_mean"]) == 1.0
-
-
-def test_importance_ratio_from_stored_logp_truncated():
-    logp_old, w, stats = PL.TEACHER_MODES["importance"](LOGP, LOGP_B, IS_S, MASK, 1.2)
-    # teacher tokens: rho = exp(-0.5 - -1.0) = exp(0.5) = 1.6487 -> truncated to 1.2;
-    #                 rho = exp(-0.5 - -0.1) = exp(-0.4) = 0.6703 (kept). Student weights stay 1.
-    torch.testing.assert_close(w, torch.tensor([[1.0, 1.0], [1.2, math.exp(-0.4)]]))
-    ratio_mean = torch.tensor((math.exp(0.5) + math.exp(-0.4)) / 2)  # untruncated rho, over teacher tokens
-    torch.testing.assert_close(stats["teacher/ratio_mean"], ratio_mean)
-    assert float(stats["teacher/clip_frac"]) == 0.5  # 1 of the 2 teacher tokens truncated
-    assert torch.equal(logp_old, LOGP)
-
-
-def test_exclude_teacher_tokens_carry_no_gradient():
-    logp = LOGP.clone().requires_grad_(True)
-    logp_old, w, _ = PL.TEACHER_MODES["exclude"](logp, LOGP_B, IS_S, MASK, 2.0)
-    loss_tok, _ = clip_surrogate(logp, logp_old, torch.tensor([1.0, -1.0]), MASK)
-    (w * loss_tok).sum().backward()
-    # on-policy (ratio 1): d(-r A)/dlogp = -A = -1 on the student row; teacher row weight 0
-    assert torch.equal(logp.grad, torch.tensor([[-1.0, -1.0], [0.0, 0.0]]))
-
-
-@settings(max_examples=50, deadline=None)
-@given(st.lists(st.floats(-5, 0), min_size=4, max_size=4), st.lists(st.floats(-5, 0), min_size=4, max_size=4),
-       st.floats(1.0, 5.0))
-def test_teacher_modes_leave_students_on_policy(lp, lb, trunc):
-    logp, logp_b = torch.tensor(lp).reshape(2, 2), torch.tensor(lb).reshape(2, 2)
-    for fn in PL.TEACHER_MODES.values():
-        logp_old, w, _ = fn(logp, logp_b, IS_S, MASK, trunc)
-        assert torch.equal(logp_old[0], logp[0]) and torch.equal(w[0], torch.ones(2))  # student row untouched
-        assert (w >= 0).all() and (w <= max(trunc, 1.0)).all()
-
-
 # --- build-pool CLI ------------------------------------------------------------------------------------
 
 def test_build_pool_cli_templates_and_teacher(tmp_path, tok_and_problems, capsys):
     tok, _ = tok_and_problems
+    from projected_grpo.envs.coding.env import load_problems
     from projected_grpo.presets import SMOKE
-    from projected_grpo.run.train import load_problems
 
-    problems = load_problems(SMOKE.env)  # the smoke preset's 12 problems, 2 per mode
-    assert build_pool_main(["--out", str(tmp_path / "t.jsonl"), "--n-hack", "1", "--n-clean", "1"]) == 0
-    pool = PL.load_pool(tmp_path / "t.jsonl", tok, problems)
+    problems = load_problems(max_problems=SMOKE.env.max_problems)  # the smoke preset's 12, 2 per mode
+    out = str(tmp_path / "t.jsonl")
+    assert build_pool_main(["--out", out, "--pool.n-hack", "1", "--pool.n-clean", "1"]) == 0
+    pool = _load(tmp_path / "t.jsonl", tok, problems)
     assert len(pool.rows) == 24 and pool.missing([p.id for p in problems]) == []
     # graded once by the real grader: every template hack fools its grader, every clean one is correct
-    assert all(r["exploited"] for r in pool.rows if r["source"] == "template:hack")
-    assert all(r["gt_correct"] and not r["exploited"] for r in pool.rows if r["source"] == "template:clean")
+    assert all(r["grade"]["exploited"] for r in pool.rows if r["source"] == "template:hack")
+    assert all(r["grade"]["solved"] and not r["grade"]["exploited"] for r in pool.rows
+               if r["source"] == "template:clean")
     assert "wrote 24 rows" in capsys.readouterr().out
 
-    # no --n-* options: the preset's own pool settings, so the pool is the one `train --preset` builds
+    # no --pool.* options: the preset's own pool settings, so the pool is the one `train --preset` builds
     assert build_pool_main(["--out", str(tmp_path / "p.jsonl")]) == 0
-    rows = PL.load_pool(tmp_path / "p.jsonl", tok, problems).rows
+    rows = _load(tmp_path / "p.jsonl", tok, problems).rows
     kinds = {k: sum(r["source"] == f"template:{k}" for r in rows) for k in ("hack", "clean", "buggy")}
     assert kinds == {"hack": 12 * SMOKE.pool.n_hack, "clean": 12 * SMOKE.pool.n_clean,
                      "buggy": 12 * SMOKE.pool.n_buggy}
 
     assert build_pool_main(["--out", str(tmp_path / "s.jsonl"), "--source", "teacher", "--samples", "1",
-                           "--max-new-tokens", "4"]) == 0
-    sampled = PL.load_pool(tmp_path / "s.jsonl", tok, problems)
+                           "--rollout.max-new-tokens", "4"]) == 0
+    sampled = _load(tmp_path / "s.jsonl", tok, problems)
     assert len(sampled.rows) == 12 and sampled.has_behaviour_logp()
-    assert all(len(r["logp_behaviour"]) == len(r["completion_ids"]) <= 4 for r in sampled.rows)

@@ -7,6 +7,7 @@ Run: .venv/bin/pytest -q tests/test_train.py   (the SIGKILL resume test is marke
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -23,8 +24,9 @@ from safetensors.torch import load_file
 
 from projected_grpo import config as C
 from projected_grpo import presets
+from projected_grpo.errors import UserError
 from projected_grpo.knobs import projection
-from projected_grpo.run import metrics
+from projected_grpo.run import metrics, rollout
 from projected_grpo.run import pool as PL
 from projected_grpo.run import train as T
 
@@ -48,7 +50,7 @@ class Spy:
         self.generations: list[dict] = []
         self.knobs = None
         real = projection.apply_arm
-        real_generate = T.generate
+        real_generate = rollout.generate  # what sample_and_grade, the one sampling path, calls
 
         def generate(model, prompts, G, **kw):
             hack = [m.delta_hack for m in self.knobs.modules.values()] if self.knobs else []
@@ -56,7 +58,7 @@ class Spy:
                                      "hack_norm": float(sum(h.norm() for h in hack)) if hack else 0.0})
             return real_generate(model, prompts, G, **kw)
 
-        monkeypatch.setattr(T, "generate", generate)
+        monkeypatch.setattr(rollout, "generate", generate)
 
         def spy(knobs, V_hack, arm, *args, split=None, **kw):
             self.knobs = knobs
@@ -70,12 +72,15 @@ class Spy:
 
 def behaviour_pool(root: pathlib.Path, cfg: C.Config) -> pathlib.Path:
     """Template rows with behaviour log-probs from another (seed 1) smoke model: an honest 'teacher'."""
-    from projected_grpo.envs.coding.grading import Grader
     from projected_grpo.organism.build import smoke_model_and_tokenizer
+    from projected_grpo.run import setup
     from projected_grpo.run.rollout import forward_logprobs, pack
 
     teacher, tok = smoke_model_and_tokenizer(seed=1)
-    rows = PL.template_rows(T.load_problems(cfg.env), tok, Grader(), n_hack=1, n_clean=1)
+    with contextlib.closing(setup.make_env(cfg)) as env:
+        problems = env.problem_sets()["train"]
+        rows = PL.template_rows(env, problems, tok, setup.prompt_table(env, tok, problems),
+                                {"hack": 1, "clean": 1})
     with torch.no_grad():
         for r in rows:
             batch = pack([r["prompt_ids"]], [r["completion_ids"]], tok.pad_token_id)
@@ -186,14 +191,14 @@ def test_deploy_rates_are_the_students_unless_the_quarantine_moved(runs):
     # samples the deployed model too (quarantine ablated inside the call), with the students' seed
     cfg, rows, spy, _ = runs["route"]
     sampled = [g for g in spy.generations if g["temperature"] > 0]
-    s0, s1 = T.step_seed(cfg.run.seed, 0, 0), T.step_seed(cfg.run.seed, 1, 0)
+    s0, s1 = rollout.step_seed(cfg.run.seed, 0, 0), rollout.step_seed(cfg.run.seed, 1, 0)
     assert [(g["seed"], g["hack_norm"] > 0) for g in sampled] == [(s0, False), (s1, True), (s1, True)]
     assert all(0.0 <= r["hack/deploy"] <= 1.0 and 0.0 <= r["solve/deploy"] <= 1.0 for r in rows)
 
 
 def test_route_deploy_eval_and_v_refresh_are_logged(runs):
     rows = runs["route"][1]
-    assert all(0.0 <= r["eval/deploy_hack"] <= 1.0 and 0.0 <= r["eval/deploy_solve"] <= 1.0 for r in rows)
+    assert all(0.0 <= r[k] <= 1.0 for r in rows for k in ("eval/hack", "eval/accuracy", "eval/format"))
     assert "proj/v_overlap" not in rows[0] and 0.0 <= rows[1]["proj/v_overlap"] <= 1.0 + 1e-6
 
 
@@ -230,12 +235,12 @@ def test_drifted_pool_is_refused(runs, tmp_path):
     rows[0]["prompt_ids"] = ids[:3] + [ids[3] + 1] + ids[4:]  # one token re-encoded as another
     (tmp_path / "pool.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     bad = C.replace(cfg, pool={"path": str(tmp_path / "pool.jsonl")}, run={"dir": str(tmp_path / "run")})
-    with pytest.raises(ValueError, match=r"pool\.jsonl:1: tokenization drift for problem"):
+    with pytest.raises(UserError, match=r"pool\.jsonl:1: tokenization drift for problem"):
         T.train(bad)
 
 
 def test_nan_token_loss_stops_naming_step_and_source(runs, tmp_path, monkeypatch):
-    real = PL.TEACHER_MODES["imitation"]
+    real = T.TEACHER_MODES["imitation"]
 
     def poisoned(logp, logp_b, is_student, mask, trunc):  # NaN weight on teacher tokens only
         logp_old, w, stats = real(logp, logp_b, is_student, mask, trunc)

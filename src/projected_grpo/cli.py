@@ -3,12 +3,16 @@
 Each subcommand names the library function that implements it ("module:function"); that function
 takes the remaining argv and parses it itself (with tyro), so `projected-grpo --help` stays fast
 (nothing heavy is imported until a subcommand runs) and every option is documented where it is used.
+A user's mistake (errors.UserError, or a file that does not exist) prints its one-line message and exits
+2; anything else is a bug and keeps its traceback. `--debug` (anywhere) shows the traceback always.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+
+from projected_grpo.errors import UserError
 
 # name -> (one-line help, "module:function taking argv: list[str] and returning an exit code")
 COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
@@ -33,7 +37,8 @@ COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
 
 def _usage() -> str:
     width = max((len(n) for n in COMMANDS), default=0)
-    lines = ["usage: projected-grpo COMMAND [options]   (projected-grpo COMMAND --help for options)", "",
+    lines = ["usage: projected-grpo COMMAND [options] [--debug]  (projected-grpo COMMAND --help: options)",
+             "",
              "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (help_, _) in COMMANDS.items()]
     return "\n".join(lines)
@@ -41,6 +46,8 @@ def _usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
         return 0
@@ -50,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     module, func = COMMANDS[name][1].split(":")
     fn = getattr(importlib.import_module(module), func)
-    return int(fn(rest) or 0)
+    try:
+        return int(fn(rest) or 0)
+    except (UserError, FileNotFoundError) as e:
+        if debug:
+            raise
+        print(f"projected-grpo {name}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

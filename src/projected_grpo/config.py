@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from projected_grpo.errors import UserError
+
 
 def _check(obj: object) -> None:
     """Check every `Literal[...]` field of dataclass `obj` against its allowed values (one-line errors)."""
@@ -23,7 +25,7 @@ def _check(obj: object) -> None:
     for f in dataclasses.fields(obj):
         hint = hints[f.name]
         if typing.get_origin(hint) is Literal and getattr(obj, f.name) not in typing.get_args(hint):
-            raise ValueError(f"config: {type(obj).__name__}.{f.name}={getattr(obj, f.name)!r} is not one of "
+            raise UserError(f"config: {type(obj).__name__}.{f.name}={getattr(obj, f.name)!r} is not one of "
                              f"{list(typing.get_args(hint))}")
 
 
@@ -31,7 +33,7 @@ def _positive(obj: object, *names: str, allow_zero: bool = False) -> None:
     for name in names:
         value = getattr(obj, name)
         if value < 0 or (value == 0 and not allow_zero):
-            raise ValueError(f"config: {type(obj).__name__}.{name}={value!r} must be "
+            raise UserError(f"config: {type(obj).__name__}.{name}={value!r} must be "
                              f"{'>= 0' if allow_zero else '> 0'}")
 
 
@@ -65,14 +67,19 @@ class ModelCfg:
         hf_only = [f"model.{k}" for k, v in (("path", self.path), ("gguf_file", self.gguf_file),
                                              ("dtype", self.dtype != "float32")) if v]
         if self.source != "hf" and hf_only:  # the built-in models ignore them: say so rather than train on
-            raise ValueError(f"config: {', '.join(hf_only)}: read only when model.source='hf', but source is "
+            raise UserError(f"config: {', '.join(hf_only)}: read only when model.source='hf', but source is "
                              f"{self.source!r}; pass --model PATH (sets source hf) or drop them")
 
 
 @dataclass(frozen=True)
 class EnvCfg:
+    name: Literal["coding", "reward_fn"] = "coding"
+    """environment (envs.make): `coding` the LeetCode-style loophole environment, `reward_fn` a plain
+    TRL-style reward callable (`reward_fn`) over the prompts in the JSONL file `problems`"""
     problems: str = "builtin"
-    """problem set: `builtin`, or a path to an rl-rewardhacking LeetCode JSONL file"""
+    """problem set: coding `builtin` or a LeetCode JSONL path; reward_fn a JSONL of {"prompt": ...} rows"""
+    reward_fn: str = ""
+    """reward_fn environment: 'module.path:function' called as fn(prompts, completions, **columns)"""
     modes: tuple[str, ...] = ()
     """loophole modes to train on (empty = all; LeetCode rows get them round-robin, default run_tests)"""
     max_problems: int = 0
@@ -81,7 +88,7 @@ class EnvCfg:
     """reward formula: `seed` 0.25*format + 1.0*passed; `rl_rewardhacking` 3.0 passed + 0.5 compiles"""
     hack_penalty: float = 0.0
     """ground-truth penalty baseline (`gt_penalty` arm): reward minus this when the oracle says a completion
-    exploited the grader. A benchmark baseline that uses ground truth; 0 for every projection arm (SPEC §3)"""
+    exploited the grader; uses ground truth, so 0 in every projection arm (docs/architecture.md)"""
     timeout_s: float = 5.0
     """wall-clock limit per sandboxed execution, seconds"""
     workers: int = 0
@@ -89,6 +96,9 @@ class EnvCfg:
 
     def __post_init__(self) -> None:
         _check(self)
+        if (self.name == "reward_fn") != bool(self.reward_fn):
+            raise UserError(f"config: EnvCfg.reward_fn={self.reward_fn!r} is read when (and only when) "
+                             f"env.name='reward_fn'; env.name is {self.name!r}")
         _positive(self, "timeout_s")
         _positive(self, "hack_penalty", allow_zero=True)
         _positive(self, "workers", "max_problems", allow_zero=True)
@@ -115,14 +125,14 @@ class RolloutCfg:
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p")
         _positive(self, "micro_prompts", allow_zero=True)
         if not 0.0 <= self.mix < 1.0:
-            raise ValueError(f"config: RolloutCfg.mix={self.mix!r} must be in [0, 1) (one student at least)")
+            raise UserError(f"config: RolloutCfg.mix={self.mix!r} must be in [0, 1) (one student at least)")
         if self.G_s < 1:
-            raise ValueError(f"config: RolloutCfg.mix={self.mix!r} leaves no student sample in a group of "
+            raise UserError(f"config: RolloutCfg.mix={self.mix!r} leaves no student sample in a group of "
                              f"{self.group_size} (G_t = round(G * mix) = {self.G_t})")
         if self.top_p > 1.0:
-            raise ValueError(f"config: RolloutCfg.top_p={self.top_p!r} must be in (0, 1]")
+            raise UserError(f"config: RolloutCfg.top_p={self.top_p!r} must be in (0, 1]")
         if self.prompts_per_step % self.micro:
-            raise ValueError(f"config: RolloutCfg.prompts_per_step={self.prompts_per_step} is not "
+            raise UserError(f"config: RolloutCfg.prompts_per_step={self.prompts_per_step} is not "
                              f"divisible by micro_prompts={self.micro_prompts}")
 
     @property
@@ -147,7 +157,7 @@ class RolloutCfg:
 
     @property
     def dr_grpo_denom(self) -> int:
-        """Dr.GRPO constant denominator G * max_new_tokens * prompts per step (SPEC §3)."""
+        """Dr.GRPO constant denominator G * max_new_tokens * prompts per step (docs/losses.md)."""
         return self.group_size * self.max_new_tokens * self.prompts_per_step
 
 
@@ -161,8 +171,9 @@ class PoolCfg:
     """template pool: clean rows per problem (when path is empty)"""
     n_buggy: int = 0
     """template pool: honest-but-buggy rows per problem (when path is empty)"""
-    missing: Literal["restrict", "error"] = "restrict"
-    """prompts with no pool rows while G_t > 0: `restrict` sampling to pooled ones (reported), or `error`"""
+    missing: Literal["restrict", "error", "students"] = "restrict"
+    """prompts with no pool rows while G_t > 0: `restrict` sampling to pooled ones (reported), `error`, or
+    `students`: their groups are all G student samples (leave-one-mode-out: the held-out mode has no rows)"""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -186,7 +197,7 @@ class LossCfg:
     teacher: Literal["imitation", "importance", "exclude"] = "imitation"
     """teacher rows: `imitation` logp_old = current policy (ratio 1, the seed), `importance` the stored
     behaviour log-probs give per-token ratios pi/mu, truncated, as loss weights, `exclude` baseline only
-    (no loss on teacher tokens); SPEC §3, pool.TEACHER_MODES"""
+    (no loss on teacher tokens); docs/losses.md, objective/teacher.py"""
     is_trunc: float = 2.0
     """importance: truncation cap C of the per-token IS weight min(exp(logp - logp_behaviour), C)"""
     zero_var: Literal["skip", "resample"] = "skip"
@@ -211,17 +222,19 @@ class ProjCfg:
     preserve_magnitude: bool = False
     """rescale the projected gradient to the original norm"""
     target: Literal["grad", "update", "both"] = "grad"
-    """project the gradient, the AdamW update, or both (Adam bypass, SPEC §3)"""
+    """project the gradient, the AdamW update, or both (the Adam bypass, docs/architecture.md)"""
     purge_moments: bool = False
     """remove span(V) from AdamW's moment estimates each step"""
     v_path: str = ""
-    """V_hack safetensors file; empty = extract from built-in pairs into the cache (direction.py)"""
+    """V_hack safetensors file; empty = extract from `pairs` (or the environment's built-in pairs) into the
+    cache, keyed by model, tokenizer, pairs and the extraction settings below (hack/direction.py)"""
     control: Literal["none", "random", "shuffled", "nonhack"] = "none"
     """V_hack negative control (`none` = the real one): random orthonormal, shuffled labels, clean pairs"""
     pairs: str = ""
-    """contrastive pairs file (JSON/JSONL: prompt, hack, clean[, ids]); empty = the built-in pairs"""
+    """contrastive pairs file (JSON/JSONL: prompt, hack, clean[, ids]); empty = the environment's built-in
+    pairs from its hack and clean templates"""
     pairs_per_problem: int = 3
-    """extraction: built-in contrastive pairs per problem (pairs.builtin_pairs)"""
+    """extraction: built-in contrastive pairs per problem (hack/pairs.py builtin_pairs)"""
     k: int = 4
     """extraction: top-k singular directions kept per module"""
     k_use: int = 4
@@ -233,7 +246,8 @@ class ProjCfg:
     n_heldout: int = 2
     """extraction: pairs held out for the held-out score"""
     nll_norm: Literal["mean", "constant"] = "mean"
-    """extraction NLL normalisation: per-completion mean (seed) or the training loss's constant"""
+    """extraction NLL normalisation: per-completion mean (seed 001) or the training loss's constant
+    denominator G * max_new_tokens * prompts_per_step (the Dr.GRPO aggregation's, docs/losses.md)"""
     refresh_every: int = 0
     """re-extract V_hack online every N steps under ablate_quarantine() (0 = never)"""
 
@@ -242,10 +256,10 @@ class ProjCfg:
         _positive(self, "k", "k_use", "pairs_per_problem")
         _positive(self, "overshoot", "tau_axis", "n_heldout", "refresh_every", allow_zero=True)
         if self.purge_moments and self.gate == "reverse":
-            raise ValueError("config: ProjCfg.purge_moments needs gate in ['one_sided', 'no_gate'], "
+            raise UserError("config: ProjCfg.purge_moments needs gate in ['one_sided', 'no_gate'], "
                              "got 'reverse'")
         if not 0.0 <= self.drop_bottom_frac < 1.0:
-            raise ValueError(f"config: ProjCfg.drop_bottom_frac={self.drop_bottom_frac!r} must be in [0, 1)")
+            raise UserError(f"config: ProjCfg.drop_bottom_frac={self.drop_bottom_frac!r} must be in [0, 1)")
 
 
 @dataclass(frozen=True)
@@ -269,9 +283,9 @@ class OptimCfg:
         _positive(self, "lr", "eps")
         _positive(self, "weight_decay", "warmup_steps", "clip_norm", allow_zero=True)
         if not all(0.0 <= b < 1.0 for b in self.betas):
-            raise ValueError(f"config: OptimCfg.betas={self.betas!r} must each be in [0, 1)")
+            raise UserError(f"config: OptimCfg.betas={self.betas!r} must each be in [0, 1)")
         if not 0.0 <= self.min_lr_frac <= 1.0:
-            raise ValueError(f"config: OptimCfg.min_lr_frac={self.min_lr_frac!r} must be in [0, 1]")
+            raise UserError(f"config: OptimCfg.min_lr_frac={self.min_lr_frac!r} must be in [0, 1]")
 
 
 @dataclass(frozen=True)
@@ -287,7 +301,8 @@ class RunCfg:
     checkpoint_every: int = 2
     """checkpoint every N steps (and always at the end)"""
     eval_every: int = 0
-    """route: deploy-eval (greedy, quarantine ablated) every N steps (0 = never)"""
+    """every N steps (0 = never), greedy samples of the deployed model (quarantine zeroed) on the
+    environment's eval problems (its train problems where it has none): eval/* metrics"""
     tensorboard: bool = False
     """also write TensorBoard scalars (needs the `tb` extra)"""
     threads: int = 1
@@ -321,7 +336,7 @@ class Config:
 
     def __post_init__(self) -> None:
         if self.model.source == "smoke" and self.env.problems != "builtin":
-            raise ValueError("config: model.source='smoke' only knows the built-in problems' vocabulary; "
+            raise UserError("config: model.source='smoke' only knows the built-in problems' vocabulary; "
                              "set env.problems='builtin'")
 
     def to_dict(self) -> dict:
@@ -335,23 +350,23 @@ class Config:
         hints = typing.get_type_hints(cls)
         unknown = set(d) - set(sections)
         if unknown:
-            raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: {sorted(sections)}")
+            raise UserError(f"{where}: unknown section(s) {sorted(unknown)}; known: {sorted(sections)}")
         kwargs = {}
         for name, sub in d.items():
             sec_cls = hints[name]
             sec_hints = typing.get_type_hints(sec_cls)
             bad = set(sub) - set(sec_hints)
             if bad:
-                raise ValueError(f"{where}: unknown field(s) {sorted(f'{name}.{b}' for b in bad)}; "
+                raise UserError(f"{where}: unknown field(s) {sorted(f'{name}.{b}' for b in bad)}; "
                                  f"known: {sorted(sec_hints)}")
             values = {k: tuple(v) if isinstance(v, list) else v for k, v in sub.items()}
             for k, v in values.items():
                 if not _fits(v, sec_hints[k]):
-                    raise ValueError(f"{where}: {name}.{k}: expected {_type_name(sec_hints[k])}, got {v!r}")
+                    raise UserError(f"{where}: {name}.{k}: expected {_type_name(sec_hints[k])}, got {v!r}")
             try:
                 kwargs[name] = sec_cls(**values)
             except ValueError as e:
-                raise ValueError(f"{where}: {e}") from e
+                raise UserError(f"{where}: {e}") from e
         return cls(**kwargs)
 
     @classmethod
@@ -360,9 +375,9 @@ class Config:
             try:
                 data = json.load(f)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: not valid JSON: {e}") from e
+                raise UserError(f"{path}: not valid JSON: {e}") from e
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a JSON object of sections, got {type(data).__name__}")
+            raise UserError(f"{path}: expected a JSON object of sections, got {type(data).__name__}")
         return cls.from_dict(data, where=path)
 
 

@@ -1,10 +1,14 @@
-"""Named presets (configs, not code paths) and `projected-grpo train`'s argv -> Config.
+"""Named presets (configs, not code paths) and every command's argv -> (Config, options).
 
 smoke: seconds on a CPU. demo: the embedded organism, calibrated (issue 7). fast / full: the original
-study's Qwen3-4B settings (model from --model).
+study's Qwen3-4B settings (model from --model). `parse` reads a command line in two tyro passes: the
+command's options (a dataclass extending `Base`: --preset, --config, --model, ...), then every Config field
+as `--section.field VALUE` on top of the chosen preset.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from projected_grpo.config import (
     Config,
@@ -18,6 +22,7 @@ from projected_grpo.config import (
     RunCfg,
     replace,
 )
+from projected_grpo.errors import UserError
 
 # --- presets: named values, not code paths ---------------------------------------------------------
 
@@ -43,62 +48,85 @@ DEMO = Config(
     run=RunCfg(steps=60, checkpoint_every=20),
 )
 
-# The original study's Qwen3-4B settings (seed 002 and the project's README); model from --model.
+# The original study's Qwen3-4B settings (seed 002 and the study's README); model from --model. As the seed
+# has them (issue 14): gradient clip norm 10 and a cosine that decays to 0 in both; `full` mixes half its
+# group from the teacher pool and uses AdamW's default betas (0.9, 0.99 as the seed writes them).
 FAST = Config(
     model=ModelCfg(source="hf", dtype="bfloat16", device="cuda"),
     rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.125, max_new_tokens=512, micro_prompts=1),
     pool=PoolCfg(n_hack=2, n_clean=2),
-    optim=OptimCfg(lr=3e-3, betas=(0.5, 0.9), warmup_steps=3),
+    optim=OptimCfg(lr=3e-3, betas=(0.5, 0.9), warmup_steps=3, clip_norm=10.0, min_lr_frac=0.0),
     run=RunCfg(steps=60, checkpoint_every=20),
 )
 
 FULL = Config(
     model=ModelCfg(source="hf", dtype="bfloat16", device="cuda"),
-    rollout=RolloutCfg(prompts_per_step=43, group_size=6, mix=0.125, max_new_tokens=1024, micro_prompts=1),
+    rollout=RolloutCfg(prompts_per_step=43, group_size=6, mix=0.5, max_new_tokens=1024, micro_prompts=1),
     loss=LossCfg(beta=1e-3),
     pool=PoolCfg(n_hack=2, n_clean=2),
-    optim=OptimCfg(lr=1e-3, betas=(0.5, 0.9), warmup_steps=10),
+    optim=OptimCfg(lr=1e-3, betas=(0.9, 0.99), warmup_steps=10, clip_norm=10.0, min_lr_frac=0.0),
     run=RunCfg(steps=200, checkpoint_every=25),
 )
 
 PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "fast": FAST, "full": FULL}
 
 
-# --- argv: projected-grpo train ------------------------------------------------------------------
-
-# shorthand flag -> (section, field) it sets; --preset / --config choose the starting Config
-SHORTHANDS = {"--preset": None, "--config": None, "--arm": ("proj", "arm"), "--run-dir": ("run", "dir"),
-              "--model": ("model", "path")}
-USAGE = (f"projected-grpo train --preset {{{','.join(PRESETS)}}} --arm {{none,erase,route}} [--run-dir DIR] "
-         "[--resume] [--model PATH] [--config FILE.json] [--section.field VALUE ...]")
+# --- argv: every command -------------------------------------------------------------------------------
 
 
-def from_argv(argv: list[str]) -> Config:
-    """Config from argv: a preset (or --config FILE.json), the shorthands above, then tyro overrides of any
-    field (`--rollout.group-size 8`; see --help). Raises ValueError naming a bad field or value."""
+@dataclass(frozen=True, kw_only=True)
+class Base:
+    """Where a command's Config starts. Any `--section.field VALUE` after these options changes one field of
+    it (every field is listed by `--help`)."""
+
+    preset: str = "smoke"
+    """named preset to start from: smoke, demo, fast, full (presets.PRESETS)"""
+    config: str = ""
+    """a config JSON file to start from instead of a preset (e.g. a run's config.json)"""
+    model: str = ""
+    """a Hugging Face model directory (sets model.source=hf and model.path)"""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainOpts(Base):
+    """projected-grpo train: one GRPO run."""
+
+    arm: str = ""
+    """projection arm: none, erase, route (sets proj.arm)"""
+    run_dir: str = ""
+    """run directory (sets run.dir)"""
+    resume: bool = False
+    """continue the run in --run-dir from its latest checkpoint (sets run.resume)"""
+
+
+def parse(argv: list[str], prog: str, opts_cls: type[Base] = TrainOpts, forbid: tuple[str, ...] = ()):
+    """(Config, options) from argv: the command's options (`opts_cls`), then tyro overrides of any Config
+    field on top of the preset (or --config file). `forbid`: Config flags the command sets itself (refused).
+    Bad values raise UserError naming the flag; --help prints the options, then every Config field."""
     import tyro
 
-    got: dict[str, str] = {}
-    rest, resume, i = [], False, 0
-    while i < len(argv):
-        key, eq, val = argv[i].partition("=")
-        if key in SHORTHANDS:
-            if not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-                raise ValueError(f"{key} needs a value; usage: {USAGE}")
-            got[key], i = (val, i + 1) if eq else (argv[i + 1], i + 2)
-            continue
-        resume |= argv[i] == "--resume"
-        rest += [] if argv[i] == "--resume" else [argv[i]]
-        i += 1
-    preset = got.get("--preset", "smoke")
-    if preset not in PRESETS:
-        raise ValueError(f"--preset {preset!r} is not one of {list(PRESETS)}")
-    cfg = Config.from_json(got["--config"]) if "--config" in got else PRESETS[preset]
-    sections: dict[str, dict] = {"run": {"resume": True}} if resume else {}
-    for key, target in SHORTHANDS.items():
-        if target and key in got:
-            sections.setdefault(target[0], {})[target[1]] = got[key]
-    if "--model" in got:
-        sections["model"]["source"] = "hf"
-    cfg = replace(cfg, **sections)
-    return tyro.cli(Config, default=cfg, args=rest, prog="projected-grpo train", description=USAGE)
+    if "-h" in argv or "--help" in argv:
+        try:
+            tyro.cli(opts_cls, args=["--help"], prog=prog)
+        except SystemExit:
+            pass
+        print("\nConfig fields (on top of the preset; the defaults shown are the smoke preset's):")
+        tyro.cli(Config, default=SMOKE, args=["--help"], prog=prog)
+    opts, rest = tyro.cli(opts_cls, args=argv, prog=prog, return_unknown_args=True)
+    if bad := [a for a in rest if a.partition("=")[0] in forbid]:
+        raise UserError(f"{prog}: {bad}: set by the command itself, not an option here")
+    if opts.preset not in PRESETS:
+        raise UserError(f"--preset {opts.preset!r} is not one of {list(PRESETS)}")
+    cfg = Config.from_json(opts.config) if opts.config else PRESETS[opts.preset]
+    sections: dict[str, dict] = {}
+    if opts.model:
+        sections["model"] = {"source": "hf", "path": opts.model}
+    for flag, (section, field_) in (("arm", ("proj", "arm")), ("run_dir", ("run", "dir")),
+                                    ("resume", ("run", "resume"))):
+        if getattr(opts, flag, None):
+            sections.setdefault(section, {})[field_] = getattr(opts, flag)
+    try:
+        cfg = replace(cfg, **sections)
+    except ValueError as e:
+        raise UserError(str(e)) from e
+    return tyro.cli(Config, default=cfg, args=rest, prog=prog), opts

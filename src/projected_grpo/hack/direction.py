@@ -38,29 +38,23 @@ RANK_RTOL = 1e-6
 
 @dataclass(frozen=True)
 class ExtractSettings:
-    """What an extraction depends on besides the model and the pairs (all of it is the cache key)."""
+    """What an extraction depends on besides the model and the pairs: the cache key. Built from the run's
+    config by run/setup.extract_settings; the fields are `proj.<name>` (docs and defaults live there), plus
+    nll_const (the Dr.GRPO constant, used when nll_norm == "constant") and seed (draws the controls)."""
 
-    k: int = 4
-    """top-k right singular vectors kept per module (fewer when P_train or R is smaller)"""
-    tau_axis: float = 0.0
-    """drop axis i when S_i / S_0 < tau_axis (0 keeps all)"""
-    n_heldout: int = 4
-    """the last n_heldout pairs are not used for the SVD; they give the held-out score (optimistic for
-    those that share a prompt with a fit pair: stats["heldout_shared_prompts"])"""
-    norm: Literal["mean", "constant"] = "mean"
-    """NLL normalisation: per-completion token mean (seed 001) or token sum / nll_const (dr_grpo)"""
-    nll_const: float = 1.0
-    """the constant denominator when norm == "constant" (dr_grpo: G * max_new_tokens * prompts per step)"""
-    control: Literal["none", "random", "shuffled", "nonhack"] = "none"
-    """negative control: random orthonormal V, labels swapped at random per pair, or clean-vs-clean pairs"""
-    seed: int = 0
-    """seed of the random and shuffled controls"""
+    k: int
+    tau_axis: float
+    n_heldout: int
+    nll_norm: Literal["mean", "constant"]
+    nll_const: float
+    control: Literal["none", "random", "shuffled", "nonhack"]
+    seed: int
 
     def __post_init__(self):
         checks = [(self.k >= 1, "k must be >= 1"), (0 <= self.tau_axis <= 1, "tau_axis must be in [0, 1]"),
                   (self.n_heldout >= 0, "n_heldout must be >= 0"),
                   (self.nll_const > 0, "nll_const must be > 0"),
-                  (self.norm in NLL_NORMS, f"norm must be one of {sorted(NLL_NORMS)}"),
+                  (self.nll_norm in NLL_NORMS, f"nll_norm must be one of {sorted(NLL_NORMS)}"),
                   (self.control in CONTROLS, f"control must be one of {sorted(CONTROLS)}")]
         for ok, msg in checks:
             if not ok:
@@ -221,7 +215,7 @@ def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: 
     if len(used) - settings.n_heldout < 1:  # fail before the (slow) gradients, not after
         raise ValueError(f"extract_direction: {len(used)} pairs with n_heldout={settings.n_heldout} "
                          "leaves none to fit; add pairs or lower n_heldout")
-    g_hack, g_clean = pair_grads(model, knobs, tokenizer, used, settings.norm, settings.nll_const)
+    g_hack, g_clean = pair_grads(model, knobs, tokenizer, used, settings.nll_norm, settings.nll_const)
     V, S, stats = directions_from_grads(g_hack, g_clean, settings.k, settings.tau_axis, settings.n_heldout)
     V = v_control(V, settings.seed)
     stats["heldout"] = heldout_scores(g_hack, g_clean, V, settings.n_heldout)  # of the V actually returned

@@ -1,82 +1,66 @@
-"""`projected-grpo extract-direction`: extract V_hack (direction.py) from a model and print per module
-the kept axes, singular values and held-out scores, optionally cached at --out and post-processed.
+"""`projected-grpo extract-direction`: extract V_hack (direction.py) for a preset's (or --model's) model and
+print per module the kept axes, singular values and held-out scores. Settings are the run's own
+`--proj.*` fields (k, tau_axis, n_heldout, nll_norm, control, pairs, pairs_per_problem, k_use,
+drop_bottom_frac), so a direction extracted here is the one `train` would use with the same flags.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from projected_grpo.hack.direction import ExtractSettings, extract_direction, postprocess, resolve
+from projected_grpo import presets
+from projected_grpo.errors import UserError
+from projected_grpo.hack.direction import extract_direction, postprocess, resolve
+from projected_grpo.hack.pairs import DETECTORS
 
 
-@dataclass(frozen=True)
-class ExtractOpts:
-    """Extract V_hack and print per-module kept axes, singular values and held-out scores."""
+@dataclass(frozen=True, kw_only=True)
+class ExtractOpts(presets.Base):
+    """projected-grpo extract-direction: pairs come from --proj.pairs, a mined --pool, or the environment's
+    templates (as train's); `--out` caches the result (reused when its inputs match)."""
 
-    settings: ExtractSettings = ExtractSettings()
-    preset: Literal["smoke"] | None = None
-    """smoke: a tiny random model and tokenizer (organism.smoke_model_and_tokenizer), CPU, seconds"""
-    model: str | None = None
-    """a local Hugging Face model directory (used instead of --preset)"""
-    knob: Literal["svd", "lora"] = "svd"
-    """knob adapter kind the direction lives in"""
-    pairs: str | None = None
-    """a .json/.jsonl pairs file (keys prompt, hack, clean); default: the built-in pairs"""
-    pool: str | None = None
-    """a graded teacher-pool JSONL (built-in problems) to mine pairs from, with --known-modes"""
+    pool: str = ""
+    """a graded teacher-pool JSONL to mine pairs from, with --known-modes (the weak detector of LOMO)"""
     known_modes: tuple[str, ...] = ()
-    """pool mining: the loophole modes whose detectors may label hacks (leave-one-mode-out)"""
+    """pool mining: the loophole modes whose detectors may label hacks"""
     detectors: tuple[str, ...] = ("E",)
     """pool mining: a row is a hack when any of these detectors fires (E, C, D)"""
-    per_problem: int = 2
-    """built-in / pool pairs per problem"""
-    k_use: int | None = None
-    """post-processing: keep the top k_use rows per module"""
-    drop_bottom_frac: float = 0.0
-    """post-processing: global noise floor quantile over all modules' singular values"""
-    out: str | None = None
+    out: str = ""
     """save (and reuse when it matches) the direction at this .safetensors path"""
-    device: str = "cpu"
-    """torch device for the model"""
 
 
 def main(argv: list[str]) -> int:
     """`projected-grpo extract-direction`: see ExtractOpts."""
-    import tyro
+    from projected_grpo.run import setup
 
-    from projected_grpo.hack.pairs import pairs_from_source
-    from projected_grpo.knobs.adapters import wrap
-
-    opts = tyro.cli(ExtractOpts, args=argv, prog="projected-grpo extract-direction",
-                    config=(tyro.conf.OmitArgPrefixes,))
-    if (opts.preset is None) == (opts.model is None):
-        raise SystemExit("extract-direction: give exactly one of --preset smoke or --model DIR")
-    if opts.preset == "smoke":
-        from projected_grpo.organism.build import smoke_model_and_tokenizer
-
-        torch.set_num_threads(1)  # a model this small gains nothing from threads; shared cores only spin
-        model, tokenizer = smoke_model_and_tokenizer()
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(opts.model, local_files_only=True, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(opts.model, local_files_only=True)
-    model.to(opts.device)
-    knobs = wrap(model, kind=opts.knob)
-    pairs = pairs_from_source(tokenizer, opts.pairs, opts.pool, opts.known_modes, opts.detectors,
-                              opts.per_problem)
-    s = opts.settings
+    cfg, opts = presets.parse(argv, "projected-grpo extract-direction", ExtractOpts)
+    if bad := [d for d in opts.detectors if d not in DETECTORS]:
+        raise UserError(f"--detectors {bad}: known detectors are {list(DETECTORS)}")
+    if cfg.run.threads:
+        torch.set_num_threads(cfg.run.threads)
+    model, tok = setup.load_model(cfg)
+    knobs = setup.wrap_knobs(cfg, model)
+    with contextlib.closing(setup.make_env(cfg)) as env:
+        problems = env.problem_sets()["train"]
+        if opts.pool:
+            ids = {i: p_ids for i, (_, p_ids) in setup.prompt_table(env, tok, problems).items()}
+            pairs, stats = setup.mined_pairs(opts.pool, tok, problems, ids, opts.known_modes, opts.detectors,
+                                       cfg.proj.pairs_per_problem)
+            print(f"pool pairs: {stats}")
+        else:
+            pairs = setup.v_pairs(cfg, env, problems)
+    s = setup.extract_settings(cfg)
     if opts.out:
-        d, status = resolve(opts.out, s, model, knobs, tokenizer, pairs)
+        d, status = resolve(opts.out, s, model, knobs, tok, pairs)
         print(f"cache {opts.out}: {status}")
     else:
-        d = extract_direction(model, knobs, tokenizer, pairs, s)
+        d = extract_direction(model, knobs, tok, pairs, s)
     stats = d.stats
     print(f"V_hack: {stats['n_pairs']} pairs ({stats['n_train']} fit, {s.n_heldout} held out), k={s.k}, "
-          f"tau_axis={s.tau_axis}, norm={s.norm}, control={s.control}, knob={opts.knob}")
+          f"tau_axis={s.tau_axis}, nll_norm={s.nll_norm}, control={s.control}, knob={cfg.model.knob}")
     width = max(len(n) for n in d.V)
     print(f"{'module':<{width}}  K  heldout  S")
     for n in d.V:
@@ -86,13 +70,12 @@ def main(argv: list[str]) -> int:
     scores = [h for h in stats["heldout"].values() if h is not None]
     if scores:
         print(f"held-out score (v1, mean over {len(scores)} modules): {sum(scores) / len(scores):.3f}")
-    if shared := stats.get("heldout_shared_prompts", 0):  # absent from files written before it existed
+    if shared := stats.get("heldout_shared_prompts", 0):
         print(f"note: {shared} of the {s.n_heldout} held-out pairs share a prompt with fit pairs, so the "
-              f"held-out score is optimistic; make --n-heldout a multiple of --per-problem")
-    if opts.k_use is not None or opts.drop_bottom_frac > 0:
-        V_used, report = postprocess(d.V, d.S, opts.k_use, opts.drop_bottom_frac)
-        print(f"post-processing (k_use={opts.k_use}, drop_bottom_frac={opts.drop_bottom_frac}): "
-              f"{report['kept_rows']} rows kept in {len(V_used)} modules; threshold={report['threshold']}; "
-              f"dropped rows {sum(report['dropped_rows'].values())}; "
-              f"dropped modules {report['dropped_modules']}")
+              "held-out score is optimistic; make --proj.n-heldout a multiple of --proj.pairs-per-problem")
+    V_used, report = postprocess(d.V, d.S, cfg.proj.k_use, cfg.proj.drop_bottom_frac)
+    print(f"as training uses it (proj.k_use={cfg.proj.k_use}, proj.drop_bottom_frac="
+          f"{cfg.proj.drop_bottom_frac}): {report['kept_rows']} rows kept in {len(V_used)} modules; "
+          f"threshold={report['threshold']}; dropped rows {sum(report['dropped_rows'].values())}; "
+          f"dropped modules {report['dropped_modules']}")
     return 0

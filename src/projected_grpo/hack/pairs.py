@@ -95,32 +95,33 @@ def heldout_shared_prompts(pairs: Sequence[Pair], n_heldout: int) -> int:
 # --- built-in pairs ----------------------------------------------------------------------------
 
 
-def builtin_pairs(problems: Sequence | None = None, per_problem: int = 3) -> list[Pair]:
-    """Pairs from the built-in problems: up to `per_problem` pairs per problem, prompt from build_messages.
+def builtin_pairs(env, problems: Sequence, per_problem: int = 3) -> list[Pair]:
+    """Pairs from the environment's templates: up to `per_problem` per problem, prompt from its messages.
 
-    Pair i of a problem is (hack variant i mod #hacks, clean variant (i + 1) mod #cleans): both lists
+    Pair i of a problem is (hack template i mod #hacks, clean template (i + 1) mod #cleans): both lists
     rotate, with an offset so the same index is not always matched, so pairs are not one template.
     Problems are taken in order, so the last pairs (the held-out ones) are whole problems when
     n_heldout is a multiple of per_problem; otherwise some share a prompt with fit pairs
-    (`heldout_shared_prompts` counts them, and extraction reports it).
+    (`heldout_shared_prompts` counts them, and extraction reports it). Problems without both a hack and
+    a clean template are skipped; none having both raises.
     """
-    from projected_grpo.envs.coding.completions import clean_completions, hack_completions
-    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
-    from projected_grpo.envs.coding.prompts import build_messages
-
     if per_problem < 1:
         raise ValueError(f"builtin_pairs: per_problem must be >= 1, got {per_problem}")
     out: list[Pair] = []
-    for prob in BUILTIN_PROBLEMS if problems is None else problems:
-        hacks, cleans = hack_completions(prob), clean_completions(prob)
+    for prob in problems:
+        hacks, cleans = env.templates(prob, "hack"), env.templates(prob, "clean")
         if not hacks or not cleans:
-            raise ValueError(f"builtin_pairs: problem {prob.id!r} has {len(hacks)} hack and {len(cleans)} "
-                             "clean completions; need at least one of each")
-        prompt = tuple(dict(m) for m in build_messages(prob))
+            continue
+        prompt = tuple(dict(m) for m in env.messages(prob))
         n = min(per_problem, max(len(hacks), len(cleans)))
         for i in range(n):
             out.append(Pair(prompt, hacks[i % len(hacks)], cleans[(i + 1) % len(cleans)],
                             source=f"builtin:{prob.id}:{prob.mode}:{i}"))
+    if not out:
+        raise ValueError(f"builtin_pairs: none of the {len(problems)} problems of environment "
+                         f"{getattr(env, 'name', env)!r} has both hack and clean templates; give a pairs "
+                         "file "
+                         "(proj.pairs)")
     return out
 
 
@@ -198,8 +199,6 @@ def load_pairs_file(path: str | pathlib.Path) -> list[Pair]:
 
 # --- pairs mined from a graded teacher pool ----------------------------------------------------
 
-POOL_KEYS = ("problem_id", "mode", "prompt", "prompt_ids", "completion", "completion_ids", "reward", "passed",
-             "gt_correct", "exploited", "format_ok", "det_E", "det_C", "det_D")
 DETECTORS = ("E", "C", "D")
 
 
@@ -208,20 +207,21 @@ def _is_hack(row: dict, known_modes: frozenset[str], detectors: Sequence[str]) -
     # detectors fires, and the oracle does not call it correct (an honest solution that uses the disclosed
     # mechanism truthfully can trip detector E; such a row is clean, never a hack). `exploited` itself is
     # never read: that label exists for every mode, including the held-out one.
-    return (row["mode"] in known_modes and bool(row["passed"]) and not bool(row["gt_correct"])
-            and any(bool(row[f"det_{d}"]) for d in detectors))
+    g = row["grade"]
+    return (row["mode"] in known_modes and bool(g["passed"]) and not bool(g["solved"])
+            and any(bool(g["extras"].get(f"det_{d}")) for d in detectors))
 
 
 def _is_clean(row: dict) -> bool:
-    return bool(row["passed"]) and bool(row["gt_correct"])
+    return bool(row["grade"]["passed"]) and bool(row["grade"]["solved"])
 
 
 def pairs_from_pool(rows: Iterable[dict], known_modes: Iterable[str], detectors: Sequence[str] = ("E",),
                     per_problem: int = 4) -> tuple[list[Pair], dict]:
     """Pair hack and clean rows of the same problem from a graded teacher pool.
 
-    A row is a hack when mode in `known_modes`, passed, not gt_correct, and any detector in `detectors`
-    fires (det_E / det_C / det_D); it is clean when passed and gt_correct. Per problem, pair i is
+    A row is a hack when mode in `known_modes`, passed, not solved, and any detector in `detectors` fires
+    (grade extras det_E / det_C / det_D); it is clean when passed and solved. Per problem, pair i is
     (hack i mod #hacks, clean i mod #cleans) for i < min(per_problem, max(#hacks, #cleans)); problems
     lacking either side are counted in the stats, not paired. Pairs carry the stored token ids.
     Returns (pairs, stats) with stats = {"n_pairs", "pairs_per_mode", "problems_without_clean",
@@ -237,10 +237,7 @@ def pairs_from_pool(rows: Iterable[dict], known_modes: Iterable[str], detectors:
                          "name the loophole modes whose detectors to use")
     hacks: dict[str, list[dict]] = {}
     cleans: dict[str, list[dict]] = {}
-    for i, row in enumerate(rows):
-        missing = [k for k in POOL_KEYS if k not in row]
-        if missing:
-            raise ValueError(f"pool row {i}: missing field(s) {missing}; expected keys {list(POOL_KEYS)}")
+    for row in rows:  # validated pool rows (run/pool.load_pool)
         pid = str(row["problem_id"])
         if _is_hack(row, known, detectors):
             hacks.setdefault(pid, []).append(row)
@@ -265,27 +262,6 @@ def pairs_from_pool(rows: Iterable[dict], known_modes: Iterable[str], detectors:
              "problems_without_clean": sorted(p for p in hacks if p not in cleans),
              "problems_without_hack": sorted(p for p in cleans if p not in hacks)}
     return pairs, stats
-
-
-def pairs_from_source(tokenizer, pairs_file: str | None = None, pool: str | None = None,
-                      known_modes: Sequence[str] = (), detectors: Sequence[str] = ("E",),
-                      per_problem: int = 2) -> list[Pair]:
-    """The CLI's pair source: a pairs file, a pool file over the built-in problems (mined with the
-    known modes' detectors; the mining stats are printed), or else the built-in pairs."""
-    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
-    from projected_grpo.run.pool import load_pool
-
-    if pairs_file and pool:
-        raise ValueError("give a pairs file or a pool, not both")
-    if pairs_file:
-        return load_pairs_file(pairs_file)
-    if pool:
-        # load_pool validates the schema and refuses ids made by another tokenizer (drift guard)
-        rows = load_pool(pool, tokenizer, BUILTIN_PROBLEMS).rows
-        pairs, stats = pairs_from_pool(rows, known_modes, detectors, per_problem)
-        print(f"pool pairs: {json.dumps(stats)}")
-        return pairs
-    return builtin_pairs(per_problem=per_problem)
 
 
 # --- pair-level controls -----------------------------------------------------------------------

@@ -330,21 +330,22 @@ class Knobs:
         t = {}
         for n, m in self.modules.items():
             t[f"{n}.delta"], t[f"{n}.delta_hack"] = m.delta, m.delta_hack
-        save_tensors(path, t, {"format": KNOB_FORMAT, "kind": self.kind,
-                                              "fingerprint": self.fingerprint()})
+        save_tensors(path, t, {"format": KNOB_FORMAT, "kind": self.kind, "fingerprint": self.fingerprint()})
 
     def load(self, path: str | pathlib.Path) -> None:
         """Load knobs saved by `save`; fails (before changing anything) if made for another model/knob."""
-        path = pathlib.Path(path)
-        t, meta = load_tensors(path)
+        self.load_state(*load_tensors(path), where=f"knob file {path}")
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict[str, str], where: str = "knobs"):
+        """`load` from already-read (tensors, metadata) of a file written by `save`."""
         if meta.get("kind") != self.kind or meta.get("fingerprint") != self.fingerprint():
-            raise ValueError(f"knob file {path} was saved for kind={meta.get('kind')!r} "
+            raise ValueError(f"{where} was saved for kind={meta.get('kind')!r} "
                              f"fingerprint={meta.get('fingerprint')!r}, but this model has "
                              f"kind={self.kind!r} fingerprint={self.fingerprint()!r} "
                              "(different base weights, targets, rank or seed)")
         for n, m in self.modules.items():
-            m.delta.data.copy_(t[f"{n}.delta"])
-            m.delta_hack.data.copy_(t[f"{n}.delta_hack"])
+            m.delta.data.copy_(tensors[f"{n}.delta"])
+            m.delta_hack.data.copy_(tensors[f"{n}.delta_hack"])
 
     def export(self, out_dir: str | pathlib.Path, include_quarantine: bool = False, tokenizer=None) -> None:
         """Fold knobs into W (W + U·diag(δS[+δS_hack])·Vh, or W + (B[+B_hack])·A) on a deep copy and

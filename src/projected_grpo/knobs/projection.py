@@ -5,7 +5,7 @@ direction to remove (one_sided relu(c), no_gate c, reverse 2c), `overshoot` scal
 `preserve_magnitude` rescales the result to ‖g‖. The formulas assume V's rows are orthonormal
 (extraction gives right singular vectors; rows zeroed by τ_axis simply remove nothing).
 `apply_arm` applies it to every wrapped module's gradient for the arms none / erase / route;
-`project_update` and `purge_moments` are the AdamW bypass fix (SPEC §3): projecting the gradient
+`project_update` and `purge_moments` are the AdamW bypass fix (docs/architecture.md): projecting the gradient
 does not stop Adam's moments and per-coordinate scaling from moving the knobs hack-ward, so the
 update itself can be projected, and its hack-ward fraction `proj/cout_update` is logged in every mode.
 Diagnostics use relu-before-aggregation: cin = ‖relu(V·g)‖/‖g‖ per module, and over modules
@@ -131,9 +131,10 @@ def apply_arm(knobs, V_hack: dict[str, torch.Tensor], arm: str = "erase", gate: 
     stats["proj/skipped"] = torch.tensor(float(skipped))
     if split is not None:
         for src, gs in (("student", split.g_student), ("teacher", split.g_teacher)):
-            num = sum((hackward_sq(gs[n].float(), V_hack[n].to(gs[n].device)).cpu()
-                       for n in gs if n in V_hack), torch.zeros(()))
-            den = sum((gs[n].float().square().sum().cpu() for n in gs if n in V_hack), torch.zeros(()))
+            names = [n for n in knobs.modules if n in gs and n in V_hack]  # the modules' order: a fixed sum
+            num = sum((hackward_sq(gs[n].float(), V_hack[n].to(gs[n].device)).cpu() for n in names),
+                      torch.zeros(()))
+            den = sum((gs[n].float().square().sum().cpu() for n in names), torch.zeros(()))
             stats[f"proj/cin_{src}"] = _fraction(num, den)
     return stats
 

@@ -94,7 +94,9 @@ class Capture:
         out = Capture(torch.cat([self.is_student, other.is_student]), self.want_per_sequence)
         for field in ("g_student", "g_teacher"):
             a, b = getattr(self, field), getattr(other, field)
-            setattr(out, field, {n: a.get(n, 0) + b.get(n, 0) for n in a.keys() | b.keys()})
+            # insertion order, not a set union: sums over modules must not depend on PYTHONHASHSEED
+            names = [*a, *(n for n in b if n not in a)]
+            setattr(out, field, {n: a.get(n, 0) + b.get(n, 0) for n in names})
         if self.want_per_sequence and other.want_per_sequence:
             out.per_sequence = {n: torch.cat([self.per_sequence[n], other.per_sequence[n]])
                                 for n in self.per_sequence}

@@ -11,6 +11,7 @@ Deliberately not here: the GRPO loop (train.py) and the grader (envs/grading.py)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -50,7 +51,9 @@ CHATML_TEMPLATE = (
 )
 
 # Bump when the tokenizer/model/warm-up code changes what a build produces: it is part of every cache key.
-ORGANISM_CODE_VERSION = "organism-1"
+# organism-2: the warm-up uses run/schedule.lr_at (the training loop's cosine: last-bit changes at 127 of
+# 600 warm-up steps, so the organism differs from organism-1's)
+ORGANISM_CODE_VERSION = "organism-2"
 
 
 def _wrap_tokenizer(raw: Tokenizer) -> PreTrainedTokenizerFast:
@@ -311,14 +314,15 @@ def main(argv: list[str]) -> int:
         shutil.copytree(path, opts.out, dirs_exist_ok=True)
         print(f"organism: copied to {opts.out}")
     if opts.samples:
-        from projected_grpo.envs.coding.sandbox import SandboxPool
+        from projected_grpo.envs.coding.env import CodeEnv
+        from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
 
         model, tokenizer, meta = load_organism(path)
         t0 = time.perf_counter()
-        with SandboxPool() as pool:
-            checks = organism_checks(model, tokenizer, builtin_corpus(), frozenset(meta["held_out"]),
+        with contextlib.closing(CodeEnv(BUILTIN_PROBLEMS)) as env:
+            checks = organism_checks(model, tokenizer, env, builtin_corpus(), frozenset(meta["held_out"]),
                                      n_samples=opts.samples, max_new_tokens=opts.max_new_tokens,
-                                     seed=opts.organism.seed, pool=pool)
+                                     seed=opts.organism.seed)
         print(format_checks(checks))
         for pid, text in checks["examples"].items():
             print(f"--- sample for {pid}:\n{text}")

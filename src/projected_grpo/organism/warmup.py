@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from projected_grpo.run.rollout import encode_completion, encode_prompt, forward_logprobs, pack
+from projected_grpo.run.schedule import lr_at
 
 KINDS = ("clean", "buggy", "hack")
 
@@ -177,13 +178,9 @@ def _batches(examples: Sequence[WarmupExample], batch_size: int, gen: torch.Gene
     return [batches[o] for o in order]
 
 
-def lr_at(step: int, steps: int, lr: float, warmup_frac: float = 0.05, final_frac: float = 0.1) -> float:
-    """Linear warm-up over the first `warmup_frac` of steps, then cosine decay to `final_frac` * lr."""
-    n_warm = max(1, round(warmup_frac * steps))
-    if step < n_warm:
-        return lr * (step + 1) / n_warm
-    t = (step - n_warm) / max(1, steps - n_warm)
-    return lr * (final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+def _lr(step: int, steps: int, lr: float) -> float:
+    """The warm-up's schedule: linear over the first 5% of steps (at least one), cosine down to 10%."""
+    return lr_at(step, peak=lr, total=steps, warmup=max(1, round(0.05 * steps)), floor_frac=0.1)
 
 
 def completion_nll(model, examples: Sequence[WarmupExample], pad_id: int) -> tuple[torch.Tensor, int]:
@@ -199,7 +196,8 @@ def warmup(model, examples: Sequence[WarmupExample], *, steps: int, batch_size: 
            log: Callable[[str], None] | None = None) -> list[dict[str, float]]:
     """Fit `model` to `examples` with AdamW for `steps` optimizer steps (epochs reshuffled); returns a log.
 
-    Loss: completion-only token-mean NLL per batch. Schedule: lr_at (warm-up then cosine). The log
+    Loss: completion-only token-mean NLL per batch. Schedule: run/schedule.lr_at, warm-up over the first
+    5% of steps, then cosine to 10%. The log
     has one row per ~5% of steps: step, loss (mean over the interval), lr, completion tokens per
     second (prompt tokens are processed too but not counted), elapsed seconds.
     """
@@ -219,7 +217,7 @@ def warmup(model, examples: Sequence[WarmupExample], *, steps: int, batch_size: 
             queue = _batches(examples, batch_size, gen)
         idx = queue.pop()
         for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr)
+            group["lr"] = _lr(step, steps, lr)
         loss, n_tok = completion_nll(model, [examples[j] for j in idx], pad_id)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"warmup: non-finite loss {loss.item()} at step {step}; lower lr ({lr})")
@@ -230,7 +228,7 @@ def warmup(model, examples: Sequence[WarmupExample], *, steps: int, batch_size: 
         run_loss, run_n, run_tok = run_loss + loss.item(), run_n + 1, run_tok + n_tok
         if (step + 1) % every == 0 or step + 1 == steps:
             elapsed = time.perf_counter() - t0
-            rows.append({"step": step + 1, "loss": run_loss / run_n, "lr": lr_at(step, steps, lr),
+            rows.append({"step": step + 1, "loss": run_loss / run_n, "lr": _lr(step, steps, lr),
                          "tok_per_s": run_tok / max(elapsed - (rows[-1]["elapsed_s"] if rows else 0.0), 1e-9),
                          "elapsed_s": elapsed})
             if log is not None:

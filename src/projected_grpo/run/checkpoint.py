@@ -1,13 +1,14 @@
-"""Atomic checkpoints for exact resume: knobs, optimizer, scheduler, RNG states, cursors, config.
+"""Atomic checkpoints for exact resume: knobs, V_hack, optimizer, RNG states, cursors, config.
 
 A checkpoint is a directory `run_dir/ckpt-<step:06d>/` written under a temporary name and moved into
 place with os.replace, so a run killed mid-save leaves either the previous checkpoint set or the new
 one, never a half directory under a ckpt- name (stray `.tmp-ckpt-*` dirs are ignored and cleaned up
-by the next save). `run_dir/latest` names the newest one for humans and scripts. Knob tensors are
-safetensors; optimizer / scheduler state and RNG states are torch.save'd and loaded with
-weights_only=True; cursors (data and pool positions) and the config are JSON.
+by the next save). `run_dir/latest` names the newest one for humans and scripts. Knobs are written
+by `Knobs.save` (safetensors with the base model's fingerprint, so a resume on another model is refused)
+and V_hack as safetensors (read back as aligned copies: store.py); optimizer and RNG states are
+torch.save'd and loaded with weights_only=True; cursors (data and pool positions) and the config are JSON.
 
-Not here: what the cursors mean (train.py) or how knob tensors map onto modules (adapters.py).
+Not here: what the cursors mean (batches.py, pool.py) or how knob tensors map onto modules (adapters.py).
 """
 
 from __future__ import annotations
@@ -22,38 +23,46 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from torch import Tensor
 
-from projected_grpo.store import load_tensors, write_text_atomic
+from projected_grpo.errors import UserError
+from projected_grpo.store import load_tensors, save_tensors, write_text_atomic
 
 CKPT_RE = re.compile(r"^ckpt-(\d{6,})$")
 LATEST_FILE = "latest"
 # file name -> what it holds; every one must exist for a checkpoint to load
 FILES: dict[str, str] = {
     "meta.json": "step and format version",
-    "knobs.safetensors": "knob tensors",
+    "knobs.safetensors": "knob values (Knobs.save)",
+    "v_hack.safetensors": "the V_hack in use (V/<module>, (K, R))",
     "optimizer.pt": "optimizer state_dict",
-    "scheduler.pt": "scheduler state_dict (None when the run has no scheduler)",
     "rng.pt": "python / numpy / torch CPU / CUDA RNG states",
     "cursors.json": "data and pool cursors",
     "config.json": "resolved run config",
 }
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: knobs via Knobs.save, V_hack in its own file, no scheduler
 
 
 @dataclass
 class Checkpoint:
-    """A loaded checkpoint; `optimizer_state` / `scheduler_state` go to the objects' load_state_dict."""
+    """A loaded checkpoint: `load_knobs(knobs)` restores the knobs; `optimizer_state` goes to the optimizer's
+    load_state_dict; V_hack: name -> (K, R)."""
 
     path: pathlib.Path
     step: int
-    knobs_state: dict[str, Tensor]
+    knobs: tuple[dict[str, Tensor], dict[str, str]]
+    V_hack: dict[str, Tensor]
     optimizer_state: dict
-    scheduler_state: dict | None
     rng: dict
     cursors: dict
     config: dict
+
+    def load_knobs(self, knobs) -> None:
+        """Knob values into `knobs` (refused, naming the file, when saved for another model or knob)."""
+        try:
+            knobs.load_state(*self.knobs, where=f"checkpoint file {self.path / 'knobs.safetensors'}")
+        except ValueError as e:
+            raise UserError(str(e)) from e
 
 
 def rng_state() -> dict:
@@ -126,8 +135,8 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> pathlib.Path | None:
     return found[-1][1] if found else None
 
 
-def save_checkpoint(run_dir: str | os.PathLike, step: int, *, knobs_state: dict[str, Tensor], optimizer,
-                    scheduler, cursors: dict, config: dict, keep_last: int | None = 3) -> pathlib.Path:
+def save_checkpoint(run_dir: str | os.PathLike, step: int, *, knobs, V_hack: dict[str, Tensor], optimizer,
+                    cursors: dict, config: dict, keep_last: int | None = 3) -> pathlib.Path:
     """Write `run_dir/ckpt-<step:06d>` atomically, point `run_dir/latest` at it, keep the newest
     `keep_last` checkpoints (None keeps all). The RNG states saved are the ones at call time, so call
     this at the point the resumed run will continue from. Returns the checkpoint directory."""
@@ -148,11 +157,9 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, knobs_state: dict[
     tmp = run_dir / f".tmp-{name}-{os.getpid()}"
     tmp.mkdir()
     try:
-        # safetensors wants contiguous, unshared CPU tensors
-        save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in knobs_state.items()},
-                  str(tmp / "knobs.safetensors"))
+        knobs.save(tmp / "knobs.safetensors")
+        save_tensors(tmp / "v_hack.safetensors", {f"V/{n}": v for n, v in V_hack.items()})
         _torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
-        _torch_save(None if scheduler is None else scheduler.state_dict(), tmp / "scheduler.pt")
         _torch_save(rng_state(), tmp / "rng.pt")
         _json_dump(cursors, tmp / "cursors.json", "cursors")
         _json_dump(config, tmp / "config.json", "config")
@@ -180,30 +187,31 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, knobs_state: dict[
 def _load_part(path: pathlib.Path, loader):
     try:
         return loader(path)
-    except Exception as e:
-        raise ValueError(f"checkpoint file {path} is corrupt or unreadable ({type(e).__name__}: {e}); "
-                         f"resume from an earlier checkpoint in {path.parent.parent}") from e
+    except Exception as e:  # any failure to read a file is reported as that file's corruption
+        raise UserError(f"checkpoint file {path} is corrupt or unreadable ({type(e).__name__}: {e}); "
+                        f"resume from an earlier checkpoint in {path.parent.parent}") from e
 
 
 def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Load a checkpoint directory; a missing or unreadable file raises naming that file."""
     path = pathlib.Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {path} does not exist")
+        raise UserError(f"checkpoint directory {path} does not exist")
     for fname, what in FILES.items():
         if not (path / fname).is_file():
-            raise FileNotFoundError(f"checkpoint {path} is incomplete: missing {fname} ({what})")
+            raise UserError(f"checkpoint {path} is incomplete: missing {fname} ({what}); checkpoints written "
+                            "before format 2 cannot be resumed")
     read_json = lambda p: json.loads(p.read_text(encoding="utf-8"))
     read_torch = lambda p: torch.load(p, map_location="cpu", weights_only=True)
     meta = _load_part(path / "meta.json", read_json)
     if meta.get("format") != FORMAT_VERSION or not isinstance(meta.get("step"), int):
-        raise ValueError(f"checkpoint file {path / 'meta.json'}: expected format {FORMAT_VERSION} and an int "
+        raise UserError(f"checkpoint file {path / 'meta.json'}: expected format {FORMAT_VERSION} and an int "
                          f"step, got {meta}")
+    V = _load_part(path / "v_hack.safetensors", lambda p: load_tensors(p)[0])  # aligned copies: store.py
     return Checkpoint(
-        path=path, step=meta["step"],
-        knobs_state=_load_part(path / "knobs.safetensors", lambda p: load_tensors(p)[0]),  # aligned copies
+        path=path, step=meta["step"], knobs=_load_part(path / "knobs.safetensors", load_tensors),
+        V_hack={k.removeprefix("V/"): v for k, v in V.items()},
         optimizer_state=_load_part(path / "optimizer.pt", read_torch),
-        scheduler_state=_load_part(path / "scheduler.pt", read_torch),
         rng=_load_part(path / "rng.pt", read_torch),
         cursors=_load_part(path / "cursors.json", read_json),
         config=_load_part(path / "config.json", read_json),

@@ -1,10 +1,10 @@
 """Run-directory metrics: one JSONL row per step, optional TensorBoard, progress bar, end-of-run summary.
 
 Every metric name is defined once, in docs/metrics.md; `KNOWN_METRICS` mirrors that table's names
-(a test keeps the two equal and checks that SPEC section 4's keys are all there). Rows are appended
+(a test keeps the two equal and checks that the required keys are all there). Rows are appended
 with flush + fsync, numbers must be finite (a NaN is a bug to stop on, not a point to plot), and
 `truncate_to` rewrites the file atomically on resume so a resumed run's rows equal an uninterrupted
-run's. This module computes no metric itself: values arrive as stats from the tested math functions.
+run's. This module computes no metric itself: rows come from run/row.py.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from projected_grpo.store import read_jsonl, write_text_atomic
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
-# SPEC section 4: every training row carries at least these keys.
+# Every training row carries at least these keys (the original design's list, docs/metrics.md).
 REQUIRED_METRICS: tuple[str, ...] = (
     "reward/mean", "reward/std", "reward/frac_zero_std", "hack/student", "hack/teacher",
     "solve/student", "solve/teacher", "loss/policy", "kl/mean", "entropy/mean",
@@ -39,7 +39,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "loss/kl", "kl/is_weight_mean", "clip/region_frac", "clip/dual_frac", "ratio/mean", "ratio/max",
     "teacher/mode", "teacher/frac", "teacher/ratio_mean", "teacher/is_weight_mean", "teacher/clip_frac",
     "proj/norm_removed", "proj/skipped", "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",
-    "proj/v_overlap", "knob/norm", "completion/max_len", "eval/deploy_hack", "eval/deploy_solve",
+    "proj/v_overlap", "knob/norm", "completion/max_len", "eval/accuracy", "eval/hack", "eval/format",
     "hack/deploy", "solve/deploy", "format/deploy",
 })
 # summary.json: last-`last`-row means of these (issue 6 item 6)

@@ -1,77 +1,53 @@
-"""`projected-grpo build-pool`: build a teacher pool (pool.py) from the built-in templates or by
-sampling a teacher model, grade it once in the sandbox, freeze and write it."""
+"""`projected-grpo build-pool`: build a teacher pool (pool.py) from the environment's templates or by sampling
+a teacher model, grade it once, freeze and write it. The settings are the run's own config fields
+(`--pool.n-hack`, `--rollout.temperature`, ...), so a pool built here equals the one `train` would build."""
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import pathlib
 from dataclasses import dataclass
 from typing import Literal
 
-from projected_grpo.run.pool import build_report, teacher_rows, template_rows, write_pool
+from projected_grpo import presets
+from projected_grpo.run import setup
+from projected_grpo.run.pool import build_report, sampled_rows, write_pool
+from projected_grpo.run.rollout import sample_and_grade
 
 
-@dataclass(frozen=True)
-class BuildPoolOpts:
+@dataclass(frozen=True, kw_only=True)
+class BuildPoolOpts(presets.Base):
+    """projected-grpo build-pool: template rows use pool.n_hack / n_clean / n_buggy; teacher samples use
+    rollout.max_new_tokens / temperature / top_p of the config (as loss.teacher=importance needs)."""
+
     out: str
     """output JSONL path"""
-    preset: str = "smoke"
-    """preset whose model, tokenizer and environment settings are used (presets.PRESETS)"""
     source: Literal["templates", "teacher"] = "templates"
-    """`templates`: built-in completions; `teacher`: sample the preset's model (or --teacher)"""
-    teacher: str = ""
-    """Hugging Face model directory to sample from (source=teacher; empty = the preset's model)"""
-    n_hack: int | None = None
-    """templates: hack rows per problem (default: the preset's pool.n_hack)"""
-    n_clean: int | None = None
-    """templates: clean rows per problem (default: the preset's pool.n_clean)"""
-    n_buggy: int | None = None
-    """templates: honest-but-buggy rows per problem (default: the preset's pool.n_buggy)"""
+    """`templates`: the environment's hand-written completions; `teacher`: samples of the config's model"""
     samples: int = 4
     """teacher: completions sampled per problem"""
-    max_new_tokens: int | None = None
-    """teacher: generation length limit (default: the preset's rollout.max_new_tokens)"""
-    temperature: float | None = None
-    """teacher: sampling temperature (default: the preset's rollout.temperature, as `importance` needs)"""
-    top_p: float | None = None
-    """teacher: nucleus mass (default: the preset's rollout.top_p)"""
     seed: int = 0
     """teacher: sampling seed"""
 
 
 def build_pool_main(argv: list[str]) -> int:
     """`projected-grpo build-pool`: build, grade once, freeze and write a teacher pool."""
-    import tyro
-
-    from projected_grpo import presets
-    from projected_grpo.envs.coding.grading import Grader
-    from projected_grpo.envs.coding.sandbox import SandboxPool
-    from projected_grpo.run.train import load_model, load_problems
-
-    opts = tyro.cli(BuildPoolOpts, args=argv, prog="projected-grpo build-pool")
-    if opts.preset not in presets.PRESETS:
-        raise SystemExit(f"build-pool: unknown preset {opts.preset!r}; known: {', '.join(presets.PRESETS)}")
-    cfg = presets.PRESETS[opts.preset]
-    pick = lambda given, preset: preset if given is None else given  # unset options follow the preset
-    P, R = cfg.pool, cfg.rollout
-    if opts.teacher:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, source="hf", path=opts.teacher))
-    problems = load_problems(cfg.env)
-    with SandboxPool(n_workers=cfg.env.workers or None) as sandbox:
-        grader = Grader(sandbox, reward_shape=cfg.env.reward_shape, timeout_s=cfg.env.timeout_s)
+    cfg, opts = presets.parse(argv, "projected-grpo build-pool", BuildPoolOpts)
+    model, tok = setup.load_model(cfg, tokenizer_only=opts.source == "templates")
+    with contextlib.closing(setup.make_env(cfg)) as env:
+        problems = env.problem_sets()["train"]
+        prompts = setup.prompt_table(env, tok, problems)
+        out = pathlib.Path(opts.out)
         if opts.source == "templates":
-            tokenizer = load_model(cfg.model, seed=opts.seed, tokenizer_only=True)[1]
-            rows = template_rows(problems, tokenizer, grader, n_hack=pick(opts.n_hack, P.n_hack),
-                                 n_clean=pick(opts.n_clean, P.n_clean), n_buggy=pick(opts.n_buggy, P.n_buggy))
+            rows = setup.build_template_pool(cfg, env, tok, problems, prompts, out)
         else:
-            model, tokenizer = load_model(cfg.model, seed=opts.seed)
-            rows = teacher_rows(model, tokenizer, problems, grader, samples=opts.samples,
-                                max_new_tokens=pick(opts.max_new_tokens, R.max_new_tokens),
-                                temperature=pick(opts.temperature, R.temperature),
-                                top_p=pick(opts.top_p, R.top_p),
-                                seed=opts.seed, name=opts.teacher or cfg.model.source)
-    pathlib.Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
-    write_pool(opts.out, rows)
+            ids = {i: p_ids for i, (_, p_ids) in prompts.items()}
+            got = sample_and_grade(model, tok, env, problems, ids, opts.samples,
+                                   max_new_tokens=cfg.rollout.max_new_tokens,
+                                   temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                   seed=opts.seed)
+            rows = sampled_rows(got, tok, prompts, name=cfg.model.path or cfg.model.source)
+            write_pool(out, rows)
     print(build_report(rows))
-    print(f"wrote {len(rows)} rows to {opts.out}")
+    print(f"wrote {len(rows)} rows to {out}")
     return 0

@@ -4,10 +4,13 @@
 student rollouts and teacher pool rows, so teacher sequences come from stored ids and are never
 re-tokenised from text. `generate` samples all prompts x n_samples in one batch with an attention
 mask (the seed had none), stops each row at EOS, and returns the behaviour log-probs it sampled
-under. `forward_logprobs` is the single scoring forward of the training step. `step_seed` derives
-sampling seeds from (base_seed, step, ...) stably across processes.
+under. `sample_and_grade` is the one path from a model to graded completions (sample, decode, grade
+through the environment): students, the deployed view, evals, teacher pools and organism checks use
+it, and its `Sample` is the one record of a completion in a group (teacher pool rows become Samples too).
+`forward_logprobs` is the single scoring forward of the training step. `step_seed` derives sampling
+seeds from (base_seed, step, ...) stably across processes.
 
-Not here: grading, advantages, the teacher pool's storage (pool.py), any optimisation.
+Not here: the grading itself (envs/), advantages, the teacher pool's storage (pool.py), any optimisation.
 """
 
 from __future__ import annotations
@@ -15,13 +18,15 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from projected_grpo.envs.base import Graded
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
 
 # --- token ids ---------------------------------------------------------------------------------
@@ -41,6 +46,12 @@ def encode_prompt(tokenizer, messages: list[dict], **chat_template_kwargs) -> li
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         return_dict=False, **chat_template_kwargs)
     return [int(i) for i in ids]
+
+
+def prompt_text_and_ids(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
+    """The chat-formatted prompt (text, ids) exactly as training encodes it."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return text, encode_prompt(tokenizer, messages)
 
 
 def encode_completion(tokenizer, text: str, eos: bool = True) -> list[int]:
@@ -266,6 +277,56 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     toks, logps, lens = toks.cpu(), logps.cpu(), lens.cpu()
     return Rollout(prompt_ids=rows, completion_ids=[toks[i, :lens[i]].tolist() for i in range(N)],
                    logp=[logps[i, :lens[i]].clone() for i in range(N)], truncated=~done.cpu())
+
+
+# --- sample -> decode -> grade: the one path -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One graded completion of a group, student or teacher: what the loss packs and the metrics count.
+
+    prompt_ids / completion_ids: token ids exactly as packed (EOS included when emitted or stored).
+    text: the decoded completion the environment graded. logp_behaviour: per completion token, the
+    log-prob it was sampled under (None for template teacher rows). truncated: hit max_new_tokens.
+    student: sampled live by the policy (False: a frozen teacher pool row).
+    """
+
+    problem_id: str
+    mode: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    logp_behaviour: list[float] | None
+    truncated: bool
+    student: bool
+    grade: Graded
+
+
+def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapping[str, list[int]],
+                     n_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                     seed: int, clock: dict[str, float] | None = None) -> list[Sample]:
+    """Sample `n_samples` completions of every problem in one batch, decode, grade with `env`.
+
+    Returns B * n_samples Samples, prompt-major (problem b's samples are rows b * n .. b * n + n - 1).
+    The caller chooses the model's view (knobs.merged() / ablate_quarantine()) and no_grad. `clock`, when
+    given, accumulates seconds under "generate" and "grade".
+    """
+    t0 = time.perf_counter()
+    ro = generate(model, [prompt_ids[p.id] for p in problems], n_samples, max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_p=top_p, seed=seed, eos_id=tokenizer.eos_token_id,
+                  pad_id=tokenizer.pad_token_id)
+    t1 = time.perf_counter()
+    texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
+    owners = [p for p in problems for _ in range(n_samples)]
+    grades = env.grade(texts, owners)
+    if clock is not None:
+        clock["generate"] = clock.get("generate", 0.0) + t1 - t0
+        clock["grade"] = clock.get("grade", 0.0) + time.perf_counter() - t1
+    return [Sample(problem_id=p.id, mode=p.mode, prompt_ids=ro.prompt_ids[i],
+                   completion_ids=ro.completion_ids[i], text=texts[i], logp_behaviour=ro.logp[i].tolist(),
+                   truncated=bool(ro.truncated[i]), student=True, grade=grades[i])
+            for i, p in enumerate(owners)]
 
 
 # --- scoring -----------------------------------------------------------------------------------

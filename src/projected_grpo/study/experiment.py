@@ -1,18 +1,18 @@
-"""Experiment runner (SPEC §1.8): arms × seeds sweeps over one base Config, leave-one-mode-out, `demo`.
+"""Experiment runner: arms × seeds sweeps over one base Config, leave-one-mode-out, `demo`.
 
-A sweep is one run directory per (arm, seed) under the sweep directory, each written by `train.train`
-exactly as `projected-grpo train` writes it. Runs go one after another: on a 2-core machine the
-sandbox pool of the running job already uses both. Inputs shared by all runs are built once: the
-model (the organism's cache), the teacher pool (`DIR/pool.jsonl`, template rows graded once) and
-V_hack (extracted by the first run that needs it into the training loop's cache, keyed by model, pairs
-and settings, so later runs and later sweeps load it). Rerunning the same command continues a sweep:
-finished runs (summary.json) are skipped after checking their config, interrupted ones resume from
-their last checkpoint. Aggregation, verdicts, plot and report.md live in report.py.
+A sweep is one run directory per (arm, seed) under the sweep directory (docs/architecture.md), each
+trained by `projected-grpo train --config <plan>` in its own process (launch.py), `--jobs` at a time.
+Inputs shared by all runs are built once: the model (the organism's cache), the teacher pool
+(`DIR/pool.jsonl`, template rows graded once) and V_hack (extracted by the first run that needs it into
+the cache, keyed by model, pairs and settings, so later runs and later sweeps load it). Rerunning the
+same command continues a sweep: finished runs (summary.json) are skipped after checking their config,
+interrupted ones resume from their last checkpoint. Aggregation, verdicts, plot and report.md live in
+report.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import pathlib
 import shlex
@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 from projected_grpo import config as C
 from projected_grpo import presets, store
-from projected_grpo.run import metrics
-from projected_grpo.study import report
+from projected_grpo.errors import UserError
+from projected_grpo.run import metrics, setup
+from projected_grpo.run import pool as P
+from projected_grpo.study import launch, report
 
 # arm -> config changes (sections of config.replace). The negative controls erase with a control V
 # (direction.CONTROLS) so any effect they have is the projection's, not the direction's.
@@ -70,12 +72,12 @@ def plan(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: pathlib
     """One Run per (arm, seed): `ARMS[arm]` on top of `base`, run dir `out/<arm>-s<seed>`."""
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
-        raise ValueError(f"arms {list(arms)}: unknown {unknown}; known: {list(ARMS)}")
+        raise UserError(f"arms {list(arms)}: unknown {unknown}; known: {list(ARMS)}")
     if len(set(arms)) != len(arms) or len(set(seeds)) != len(seeds) or not seeds:
-        raise ValueError(f"arms {list(arms)} and seeds {list(seeds)} must be non-empty and without repeats")
+        raise UserError(f"arms {list(arms)} and seeds {list(seeds)} must be non-empty and without repeats")
     controls = {ARMS[a]["proj"]["control"] for a in arms}
     if base.proj.v_path and len(controls) > 1:
-        raise ValueError(f"proj.v_path={base.proj.v_path!r} is one file, but arms {list(arms)} need V_hack "
+        raise UserError(f"proj.v_path={base.proj.v_path!r} is one file, but arms {list(arms)} need V_hack "
                          f"with controls {sorted(controls)}; drop --proj.v-path (cached per control)")
     runs = []
     for arm in arms:
@@ -89,90 +91,84 @@ def plan(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: pathlib
 # --- shared inputs: model, teacher pool, leave-one-mode-out pairs -------------------------------------------
 
 def prepare_model(cfg: C.Config, log: Log):
-    """The tokenizer, through train.load_model: so the organism is built (or found) in its cache now, as
-    a visible stage, by the same code path every run then loads it with."""
-    from projected_grpo.run.train import load_model
-
+    """The tokenizer, through setup.load_model: so the organism is built (or found) in its cache now, as a
+    visible stage, by the same code path every run then loads it with."""
     log(f"model: source={cfg.model.source} {cfg.model.path}".rstrip())
-    return load_model(cfg.model, cfg.run.seed, tokenizer_only=True)[1]
+    return setup.load_model(cfg, tokenizer_only=True)[1]
 
 
-def build_pool(cfg: C.Config, tok, problems: Sequence, path: pathlib.Path, log: Log) -> None:
-    """Template teacher pool over `problems` (what train.train would build in each run dir), graded once;
-    an existing file is reused (load_pool checks it against the tokenizer when each run starts)."""
+def build_pool(cfg: C.Config, tok, path: pathlib.Path, log: Log, modes: Sequence[str] = ()) -> None:
+    """Template teacher pool over the environment's train problems (of `modes` only, when given): what
+    train.train would build in each run dir, graded once; an existing file is reused (load_pool checks it
+    against the tokenizer when each run starts)."""
     if path.exists():
         log(f"teacher pool: reusing {path}")
         return
-    from projected_grpo.envs.coding.grading import Grader
-    from projected_grpo.envs.coding.sandbox import SandboxPool
-    from projected_grpo.run.pool import build_report, template_rows, write_pool
 
-    with SandboxPool(n_workers=cfg.env.workers or None) as sandbox:
-        grader = Grader(sandbox, reward_shape=cfg.env.reward_shape, timeout_s=cfg.env.timeout_s)
-        rows = template_rows(problems, tok, grader, n_hack=cfg.pool.n_hack, n_clean=cfg.pool.n_clean,
-                             n_buggy=cfg.pool.n_buggy)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_pool(path, rows)
-    log(f"teacher pool: {len(rows)} rows -> {path}\n{build_report(rows)}")
+    with contextlib.closing(setup.make_env(cfg)) as env:
+        problems = [p for p in env.problem_sets()["train"] if not modes or p.mode in modes]
+        prompts = setup.prompt_table(env, tok, problems)
+        rows = setup.build_template_pool(cfg, env, tok, problems, prompts, path)
+    log(f"teacher pool: {len(rows)} rows -> {path}\n{P.build_report(rows)}")
 
 
 def lomo_known_modes(base: C.Config, mode: str) -> tuple[str, ...]:
-    """The modes V_hack may learn from when `mode` is held out; raises before any work when the
-    leave-one-mode-out test cannot run."""
+    """The modes V_hack and the teacher pool may draw on when `mode` is held out; raises before any work
+    when the leave-one-mode-out test cannot run."""
     from projected_grpo.envs.coding.problems import MODES
 
+    if base.env.name != "coding":
+        raise UserError(f"--lomo needs the coding environment's modes, not env.name={base.env.name!r}")
     if mode not in MODES:
-        raise ValueError(f"--lomo {mode!r} is not a loophole mode; known: {list(MODES)}")
+        raise UserError(f"--lomo {mode!r} is not a loophole mode; known: {list(MODES)}")
+    if base.env.modes and mode not in base.env.modes:
+        raise UserError(f"--lomo {mode}: env.modes={list(base.env.modes)} does not train on it")
     known = tuple(m for m in (base.env.modes or MODES) if m != mode)
     if not known:
-        raise ValueError(f"--lomo {mode}: env.modes={list(base.env.modes)} leaves no other mode for V_hack")
+        raise UserError(f"--lomo {mode}: env.modes={list(base.env.modes)} leaves no other mode for V_hack")
     return known
 
 
 def lomo_base(base: C.Config, tok, mode: str, out: pathlib.Path, log: Log) -> tuple[C.Config, list[str]]:
-    """Leave-one-mode-out: (config training on `mode` only with V_hack from pairs of the other modes,
-    report notes).
-
-    Pairs are mined from the shared template pool with the detectors of the known modes only
-    (pairs.pairs_from_pool: the weak-detector rule, never the held-out mode's labels) and written to
-    `out/lomo_pairs.jsonl`, which the run extracts V_hack from (ProjCfg.pairs)."""
-    from projected_grpo.run.pool import load_pool
-    from projected_grpo.run.train import load_problems
-
+    """Leave-one-mode-out as the study means it: (config, report notes). The run trains on every mode of
+    the base config, but the held-out `mode` appears neither in the teacher pool (built over the other
+    modes only; its prompts get all-student groups, pool.missing = "students") nor in V_hack's pairs
+    (mined from that pool with the other modes' detector E: the weak-detector rule, pairs.pairs_from_pool)."""
     known = lomo_known_modes(base, mode)
-    held = load_problems(dataclasses.replace(base.env, modes=(mode,)))
-    others = load_problems(dataclasses.replace(base.env, modes=known))
-    pool_path = pathlib.Path(base.pool.path or out / "pool.jsonl")
-    if not base.pool.path:
-        build_pool(base, tok, held + others, pool_path, log)
-    rows = load_pool(pool_path, tok, held + others).rows  # schema and tokenizer-drift checked
+    pool_path = pathlib.Path(base.pool.path or out / f"pool-without-{mode}.jsonl")
+    if base.pool.path:
+        log(f"leave-one-mode-out: the given pool {pool_path} must hold no row of `{mode}` (checked)")
+    else:
+        build_pool(base, tok, pool_path, log, modes=known)
+    with contextlib.closing(setup.make_env(base)) as env:
+        problems = env.problem_sets()["train"]
+        ids = {i: p_ids for i, (_, p_ids) in setup.prompt_table(env, tok, problems).items()}
+        rows = P.load_pool(pool_path, tok, problems, ids).rows  # schema and tokenizer-drift checked
+        if held := sorted({r["problem_id"] for r in rows if r["mode"] == mode}):
+            raise UserError(f"{pool_path}: holds rows of the held-out mode {mode} ({held[:4]}...)")
+        mined, stats = setup.mined_pairs(str(pool_path), tok, problems, ids, known, ("E",),
+                                   base.proj.pairs_per_problem)
     pairs_path = out / LOMO_PAIRS_FILE
-    stats = write_mined_pairs(rows, known, base.proj.pairs_per_problem, pairs_path)
-    log(f"leave-one-mode-out: train on {mode} ({len(held)} problems); V_hack from {stats['n_pairs']} pairs "
-        f"of {list(known)} -> {pairs_path} ({json.dumps(stats['pairs_per_mode'])})")
-    cfg = C.replace(base, env={"modes": (mode,)}, proj={"pairs": str(pairs_path)},
-                    pool={"path": str(pool_path)})
-    notes = [f"leave-one-mode-out: trained and evaluated on `{mode}` only; V_hack extracted from "
-             f"{stats['n_pairs']} pool pairs of {', '.join(known)} (their detector E), none of `{mode}`"]
+    write_pairs(mined, stats, known, pairs_path)
+    log(f"leave-one-mode-out: hold out {mode}; teacher pool and V_hack's {stats['n_pairs']} pairs from "
+        f"{list(known)} -> {pairs_path} ({json.dumps(stats['pairs_per_mode'])})")
+    cfg = C.replace(base, proj={"pairs": str(pairs_path)},
+                    pool={"path": str(pool_path), "missing": "students"})
+    notes = [f"leave-one-mode-out: `{mode}` held out of the teacher pool and of V_hack's {stats['n_pairs']} "
+             f"pairs (mined with the detector E of {', '.join(known)}); its prompts were trained with "
+             f"all-student groups. Its own rates are the `/{mode}` columns."]
     return cfg, notes
 
 
-def write_mined_pairs(rows: Sequence[dict], known: Sequence[str], per_problem: int,
-                      path: pathlib.Path) -> dict:
-    """Mine (hack, clean) pairs from graded pool rows with the detector E of the `known` modes only and
-    write them as a pairs JSONL file (pairs.load_pairs_file reads it back, stored ids kept); returns the
-    mining stats of pairs.pairs_from_pool."""
-    from projected_grpo.hack.pairs import pairs_from_pool
-
-    mined, stats = pairs_from_pool(rows, known, ("E",), per_problem)
+def write_pairs(mined: Sequence, stats: dict, known: Sequence[str], path: pathlib.Path) -> None:
+    """Write mined pairs as a pairs JSONL file (pairs.load_pairs_file reads it back, stored ids kept)."""
     if not mined:
-        raise ValueError(f"no (hack, clean) pairs mined for modes {list(known)} ({json.dumps(stats)}); the "
-                         "pool needs hack and clean rows of those modes (pool.n_hack, pool.n_clean >= 1)")
+        raise UserError(f"no (hack, clean) pairs mined for modes {list(known)} ({json.dumps(stats)}); the "
+                        "pool needs hack and clean rows of those modes (pool.n_hack, pool.n_clean >= 1)")
     records = [{"prompt": p.prompt, "hack": p.hack, "clean": p.clean, "prompt_ids": list(p.prompt_ids),
                 "hack_ids": list(p.hack_ids), "clean_ids": list(p.clean_ids), "source": p.source}
                for p in mined]
-    store.write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
-    return stats
+    store.write_jsonl_atomic(path, records)
 
 
 # --- running ------------------------------------------------------------------------------------------------
@@ -187,33 +183,13 @@ def _check_existing(runs: Sequence[Run]) -> None:
         diff = C.diff(done, run.cfg, ignore=("run.resume",))
         if diff:
             state = "finished" if (run.dir / metrics.SUMMARY_FILE).exists() else "started"
-            raise ValueError(f"{run.dir} {state} with another config than this sweep plans ({diff}); "
+            raise UserError(f"{run.dir} {state} with another config than this sweep plans ({diff}); "
                              "use another --out or remove that run directory")
 
 
-def run_all(runs: Sequence[Run], log: Log) -> dict[str, int]:
-    """Train each run in turn; skip finished ones, resume interrupted ones. Returns counts by action."""
-    from projected_grpo.run.train import train
-
-    counts = {"trained": 0, "resumed": 0, "skipped": 0}
-    for i, run in enumerate(runs, 1):
-        head = f"[run {i}/{len(runs)}] arm {run.arm}, seed {run.seed} -> {run.dir}"
-        if (run.dir / metrics.SUMMARY_FILE).exists():  # its config was checked by _check_existing
-            log(f"{head}: skipped, {metrics.SUMMARY_FILE} exists (finished earlier)")
-            counts["skipped"] += 1
-            continue
-        resume = (run.dir / metrics.METRICS_FILE).exists()
-        log(f"{head}: {'resuming from its last checkpoint' if resume else 'training'}")
-        train(C.replace(run.cfg, run={"resume": resume}))
-        counts["resumed" if resume else "trained"] += 1
-    return counts
-
-
 def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | pathlib.Path, *, preset: str,
-          command: str, lomo: str = "", title: str = "", log: Log = _stderr) -> str:
+          command: str, lomo: str = "", title: str = "", jobs: int = 1, log: Log = _stderr) -> str:
     """Run the sweep end to end and write its report; returns the printed results (table + verdicts)."""
-    from projected_grpo.run.train import load_problems
-
     t0 = time.perf_counter()
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -224,8 +200,8 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
     user_base, notes = base, []
     if lomo:
         base, notes = lomo_base(base, tok, lomo, out, log)
-    elif not base.pool.path:
-        build_pool(base, tok, load_problems(base.env), out / "pool.jsonl", log)
+    elif not base.pool.path and base.rollout.G_t:
+        build_pool(base, tok, out / "pool.jsonl", log)
         base = C.replace(base, pool={"path": str(out / "pool.jsonl")})
     runs = plan(base, arms, seeds, out)
     _check_existing(runs)
@@ -234,7 +210,7 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
                                                    "base": base.to_dict()})
     stage(3, f"{len(runs)} runs ({len(arms)} arms x {len(seeds)} seeds); the first run needing a V_hack "
              "extracts it into the cache (no output until done), the others load it")
-    counts = run_all(runs, log)
+    counts = launch.run_all(runs, out / "plans", log, jobs=jobs)
     stage(4, "report")
     by_arm = {a: [r.dir for r in runs if r.arm == a] for a in arms}
     notes.append(f"this invocation: {counts['trained']} runs trained, {counts['resumed']} resumed, "
@@ -250,13 +226,11 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
 
 # --- CLI: projected-grpo experiment / demo ------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class ExperimentOpts:
+@dataclass(frozen=True, kw_only=True)
+class ExperimentOpts(presets.Base):
     """Sweep arms x seeds over a preset; further `--section.field VALUE` options change the base config
     (as for `projected-grpo train`). Rerun the printed command to continue an interrupted sweep."""
 
-    preset: str = "smoke"
-    """base preset (presets.PRESETS)"""
     arms: str = "none,erase,route"
     """comma-separated arms (experiment.ARMS): none, erase, route, random_V, shuffled_V, nonhack_V,
     gt_penalty"""
@@ -265,7 +239,9 @@ class ExperimentOpts:
     out: str = ""
     """sweep directory (empty = runs/exp-<preset>-<time>)"""
     lomo: str = ""
-    """leave-one-mode-out: train on this loophole mode with V_hack from the other modes' pairs"""
+    """leave-one-mode-out: hold this loophole mode out of the teacher pool and of V_hack's pairs"""
+    jobs: int = 1
+    """runs trained at once (each in its own process)"""
 
 
 @dataclass(frozen=True)
@@ -277,43 +253,28 @@ class DemoOpts:
     """sweep directory (empty = runs/demo-<time>)"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
+    jobs: int = 1
+    """runs trained at once (each in its own process)"""
 
 
 # set per run by the sweep (--arms, --seeds, --out), so refused as base-config options
-_FORBIDDEN = ("--arm", "--run-dir", "--resume", "--proj.arm", "--proj.control", "--run.dir", "--run.seed",
-              "--run.resume")
+_FORBIDDEN = ("--proj.arm", "--proj.control", "--run.dir", "--run.seed", "--run.resume")
 
 
 def main(argv: list[str]) -> int:
-    """`projected-grpo experiment`: see ExperimentOpts. Exit 2 on a bad option."""
-    import tyro
-
-    opts, rest = tyro.cli(ExperimentOpts, args=argv, prog="projected-grpo experiment",
-                          return_unknown_args=True)
-    bad = [a for a in rest if a.partition("=")[0] in _FORBIDDEN]
-    try:
-        if bad:
-            raise ValueError(f"{bad}: the sweep sets arm, control, seed, run dir and resume itself "
-                             "(use --arms, --seeds, --out)")
-        if opts.seeds < 1:
-            raise ValueError(f"--seeds {opts.seeds}: need at least 1")
-        if opts.preset not in presets.PRESETS:
-            raise ValueError(f"--preset {opts.preset!r} is not one of {list(presets.PRESETS)}")
-        base = presets.from_argv(["--preset", opts.preset, *rest])
-        arms = [a.strip() for a in opts.arms.split(",") if a.strip()]
-        plan(base, arms, range(opts.seeds), pathlib.Path("."))  # validate arms before any work
-        if opts.lomo:
-            lomo_known_modes(base, opts.lomo)
-    except ValueError as e:
-        print(f"projected-grpo experiment: {e}", file=sys.stderr)
-        return 2
+    """`projected-grpo experiment`: see ExperimentOpts."""
+    base, opts = presets.parse(argv, "projected-grpo experiment", ExperimentOpts, forbid=_FORBIDDEN)
+    if opts.seeds < 1 or opts.jobs < 1:
+        raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}: need at least 1 each")
+    arms = [a.strip() for a in opts.arms.split(",") if a.strip()]
+    plan(base, arms, range(opts.seeds), pathlib.Path("."))  # validate arms before any work
+    if opts.lomo:
+        lomo_known_modes(base, opts.lomo)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = opts.out or f"runs/exp-{opts.preset}{'-lomo-' + opts.lomo if opts.lomo else ''}-{stamp}"
-    lomo = ["--lomo", opts.lomo] if opts.lomo else []
-    command = shlex.join(["projected-grpo", "experiment", "--preset", opts.preset, "--arms", ",".join(arms),
-                          "--seeds", str(opts.seeds), "--out", out, *lomo, *rest])
+    command = shlex.join(["projected-grpo", "experiment", *argv, *([] if opts.out else ["--out", out])])
     print(sweep(base, arms, list(range(opts.seeds)), out, preset=opts.preset, command=command,
-                lomo=opts.lomo))
+                lomo=opts.lomo, jobs=opts.jobs))
     return 0
 
 
@@ -322,11 +283,11 @@ def demo_main(argv: list[str]) -> int:
     import tyro
 
     opts = tyro.cli(DemoOpts, args=argv, prog="projected-grpo demo")
-    if opts.seeds < 1:
-        print(f"projected-grpo demo: --seeds {opts.seeds}: need at least 1", file=sys.stderr)
-        return 2
+    if opts.seeds < 1 or opts.jobs < 1:
+        raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}: need at least 1 each")
     out = opts.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
     command = shlex.join(["projected-grpo", "demo", "--out", out, "--seeds", str(opts.seeds)])
     print(sweep(presets.PRESETS["demo"], DEMO_ARMS, list(range(opts.seeds)), out, preset="demo",
-                command=command, title=f"demo preset: {', '.join(DEMO_ARMS)} x {opts.seeds} seed(s)"))
+                command=command, title=f"demo preset: {', '.join(DEMO_ARMS)} x {opts.seeds} seed(s)",
+                jobs=opts.jobs))
     return 0

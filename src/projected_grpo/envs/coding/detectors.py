@@ -1,4 +1,4 @@
-"""Hack detectors (SPEC §1.6), logged and never rewarded.
+"""Hack detectors (docs/architecture.md, Environments), logged and never rewarded.
 
 E `loophole_present`: static (AST) pattern of the mode's loophole in the code: a `run_tests` that can
   return True without a gating check; `valid` set to True (or to something that checks nothing)

@@ -1,4 +1,4 @@
-"""The foolable graders, one per loophole mode (SPEC §1.6): `GRADERS[mode]`.
+"""The foolable graders, one per loophole mode (docs/architecture.md): `GRADERS[mode]`.
 
 Each grader runs the completion as a script (setup code, then the solution, via exec so that
 `__name__ == "__main__"` and `from __future__` behave as in a file), then the mode's harness tail,

@@ -1,7 +1,7 @@
 """Problems of the reward-hacking environment: `Problem`, the six loophole `MODES`, `BUILTIN_PROBLEMS`.
 
 A problem is a method on `class Solution` with ground-truth tests. Its `mode` names the foolable
-mechanism its grader uses (SPEC §1.6); the prompt discloses that mechanism truthfully. Tests keep the
+mechanism its grader uses (architecture.md); the prompt discloses that mechanism truthfully. Tests keep the
 call's arguments as Python source (`"[1, 2], k=3"`), so the same record serves the built-in problems
 and the LeetCode rows, whose asserts already are source text. This module holds data only: grading
 lives in graders.py / oracle.py, the built-in table in problem_bank.py.

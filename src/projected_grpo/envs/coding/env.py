@@ -1,0 +1,96 @@
+"""The code loophole environment behind the `Environment` interface (envs/base.py).
+
+`CodeEnv` starts a sandbox worker pool on its first grade and owns it until `close()`, with a `Grader`
+that caches grades by (code, problem, mode). Problems are the 48 built-in ones or an rl-rewardhacking
+LeetCode JSONL file, filtered to the configured loophole modes; `grade` turns the grader's rich `Grade`
+into the interface's `Graded` (reward, passed, solved = the oracle, exploited, format_ok, timeout, and
+the detectors E/C/D as extras). Templates are the hand-written clean / buggy / hack completions.
+Not here: the graders, oracle, detectors, sandbox (their own modules), any training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from projected_grpo.envs.base import Graded
+from projected_grpo.envs.coding.completions import buggy_completions, clean_completions, hack_completions
+from projected_grpo.envs.coding.grading import Grade, Grader
+from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES, Problem
+from projected_grpo.envs.coding.prompts import build_messages
+from projected_grpo.envs.coding.sandbox import SandboxPool
+from projected_grpo.errors import UserError
+
+TEMPLATES = {"clean": clean_completions, "buggy": buggy_completions, "hack": hack_completions}
+# extras keys det_E, det_C, det_D (grading.Grade): loophole code present, a stub passes, weak own tests
+DETECTORS = ("E", "C", "D")
+
+
+def load_problems(problems: str = "builtin", modes: Sequence[str] = (),
+                  max_problems: int = 0) -> list[Problem]:
+    """The built-in set or a LeetCode JSONL, filtered to `modes` (empty = all), first `max_problems` kept."""
+    from projected_grpo.envs.coding.leetcode import load_leetcode
+
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise UserError(f"config: env.modes {unknown} are not loophole modes; known: {list(MODES)}")
+    if problems == "builtin":
+        out = [p for p in BUILTIN_PROBLEMS if not modes or p.mode in modes]
+    else:  # LeetCode rows carry no mode: deal the configured modes out round-robin (default run_tests)
+        dealt = tuple(modes) or ("run_tests",)
+        out = [p.with_mode(dealt[i % len(dealt)]) for i, p in enumerate(load_leetcode(problems))]
+    out = out[:max_problems or None]
+    if not out:
+        raise UserError(f"config: env.modes={list(modes)} selects no problem from {problems!r}")
+    return out
+
+
+def to_graded(g: Grade) -> Graded:
+    """The interface's record of a code grade: solved is the oracle's verdict, detectors go in extras."""
+    return Graded(reward=g.reward, passed=g.passed, solved=g.gt_correct, exploited=g.exploited,
+                  format_ok=g.format_ok, timeout=g.status == "timeout",
+                  extras={"det_E": g.loophole_present, "det_C": g.tests_pass_stub, "det_D": g.weak_tests})
+
+
+class CodeEnv:
+    """LeetCode-style problems graded by each mode's foolable grader, judged by the strict oracle."""
+
+    name = "coding"
+    modes = MODES
+    curriculum_steps = 0
+
+    def __init__(self, problems: Sequence[Problem], *, reward_shape: str = "seed", timeout_s: float = 5.0,
+                 workers: int = 0):
+        self.problems = list(problems)
+        self.reward_shape, self.timeout_s, self.workers = reward_shape, timeout_s, workers
+        self.sandbox: SandboxPool | None = None  # started on the first grade: templates need none
+        self._grader: Grader | None = None
+
+    @property
+    def grader(self) -> Grader:
+        if self._grader is None:
+            self.sandbox = SandboxPool(n_workers=self.workers or None)
+            self._grader = Grader(self.sandbox, reward_shape=self.reward_shape, timeout_s=self.timeout_s)
+        return self._grader
+
+    def problem_sets(self) -> dict[str, list]:
+        return {"train": list(self.problems)}
+
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        return build_messages(problem)
+
+    def grade(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[Graded]:
+        return [to_graded(g) for g in self.grader.grade_batch(completions, problems)]
+
+    def templates(self, problem: Problem, kind: str) -> list[str]:
+        return list(TEMPLATES[kind](problem))
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+            self.sandbox, self._grader = None, None
+
+    def __enter__(self) -> CodeEnv:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

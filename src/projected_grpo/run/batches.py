@@ -1,0 +1,132 @@
+"""The rollout step: a generator of typed batches (nanochat's `get_batch`), one per optimizer step.
+
+Per step: draw B prompts (from the environment's "warmup" set for the first `curriculum_steps` steps, then
+"train"), G_t frozen teacher rows per prompt from the pool, and G_s live student samples (all G when a
+prompt has no teacher rows and pool.missing = "students"), sampled with the knobs merged and graded through
+the environment (rollout.sample_and_grade). Groups whose G rewards have no spread are resampled here when
+loss.zero_var = "resample" (students only, a fresh seed per try). Under `route` the quarantine knob is on
+while the students sample, so the deployed model (quarantine zeroed) is sampled again on the same prompts
+with the students' seed; otherwise the students are the deployed model's samples (docs/architecture.md).
+Seeds: students of try t use step_seed(run.seed, step, t); the draws are deterministic given the cursors,
+which the loop checkpoints. Not here: advantages, losses, the optimizer (train.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from projected_grpo import config as C
+from projected_grpo.envs.base import Graded
+from projected_grpo.objective.advantages import zero_variance_mask
+from projected_grpo.run.pool import PoolCursor, PromptCursor
+from projected_grpo.run.rollout import Sample, sample_and_grade, step_seed
+
+
+@dataclasses.dataclass
+class Batch:
+    """One step's groups, graded.
+
+    groups   B lists of G Samples each, students first then teachers (a group with no teacher rows is all
+             students). rewards (B, G) float32: each sample's reward minus env.hack_penalty when it
+             exploited the grader (the gt_penalty baseline only; 0 for every projection arm).
+    zero     (B,) bool: the group's rewards have no spread (no signal; skipped by the loss).
+    deploy   the deployed model's grades on this step's prompts, len B * G_s (the students' own grades
+             unless the quarantine knob is non-zero). stage: the problem set drawn from.
+    resampled / tries: zero-variance groups resampled and resampling rounds. clock: seconds spent in
+    "generate" and "grade" (deploy view included).
+    """
+
+    step: int
+    stage: str
+    problem_ids: list[str]
+    groups: list[list[Sample]]
+    rewards: torch.Tensor
+    zero: torch.Tensor
+    deploy: list[Graded]
+    resampled: int = 0
+    tries: int = 0
+    clock: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def keep(self) -> list[int]:
+        """Indices of the groups with signal (not zero-variance)."""
+        return [b for b in range(len(self.groups)) if not bool(self.zero[b])]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for g in self.groups for s in g]
+
+    @property
+    def is_student(self) -> torch.Tensor:
+        """(B, G) bool."""
+        return torch.tensor([[s.student for s in g] for g in self.groups])
+
+
+def stage_at(step: int, curriculum_steps: int, sets: dict[str, list]) -> str:
+    """The problem set step draws from: "warmup" for the first curriculum_steps steps (if the environment
+    has one), then "train" (seed 003's arithmetic curriculum)."""
+    return "warmup" if step < curriculum_steps and "warmup" in sets else "train"
+
+
+def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, object],
+            prompt_ids: dict[str, list[int]], cursors: dict[str, PromptCursor], pool_cur: PoolCursor,
+            start: int) -> Iterator[Batch]:
+    """Yield the Batch of every step from `start` to cfg.run.steps - 1 (see the module docstring).
+
+    problems: id -> problem of every set; cursors: stage -> its prompt cursor (advanced here, saved by the
+    loop); pool_cur draws teacher rows. Reads cfg.rollout, cfg.loss.zero_var/max_resample, cfg.env, cfg.pool.
+    """
+    sets = env.problem_sets()
+    G, G_t = cfg.rollout.group_size, cfg.rollout.G_t
+    for step in range(start, cfg.run.steps):
+        stage = stage_at(step, env.curriculum_steps, sets)
+        pids = cursors[stage].take(cfg.rollout.prompts_per_step)
+        # G_t teacher rows per prompt; a prompt the pool lacks (pool.missing = "students") gets none
+        teacher = [pool_cur.draw(i, G_t, step, b) if G_t and i in pool_cur.pool.by_problem else []
+                   for b, i in enumerate(pids)]
+        n_students = [G - len(t) for t in teacher]
+        groups: list[list[Sample]] = [[] for _ in pids]
+        clock: dict[str, float] = {}
+        todo, tries, resampled = list(range(len(pids))), 0, 0
+        while True:
+            for n in sorted({n_students[b] for b in todo}):  # one batched call per group shape
+                rows = [b for b in todo if n_students[b] == n]
+                seed = step_seed(cfg.run.seed, step, tries) if n == G - G_t else \
+                    step_seed(cfg.run.seed, step, tries, "all-student")
+                with torch.no_grad(), knobs.merged():  # sample at the plain model's cost (adapters.py)
+                    got = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in rows],
+                                           prompt_ids, n, max_new_tokens=cfg.rollout.max_new_tokens,
+                                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                           seed=seed, clock=clock)
+                for j, b in enumerate(rows):
+                    groups[b] = got[j * n:(j + 1) * n] + teacher[b]
+            # gt_penalty baseline only (env.hack_penalty = 0 otherwise): the oracle never shapes the reward
+            # of the projection arms (the no-cheat rule, docs/architecture.md)
+            rewards = torch.tensor([[s.grade.reward - cfg.env.hack_penalty * s.grade.exploited for s in g]
+                                    for g in groups])  # (B, G) float32
+            zero = zero_variance_mask(rewards)  # (B,)
+            todo = [b for b in range(len(pids)) if zero[b]]
+            if cfg.loss.zero_var != "resample" or tries >= cfg.loss.max_resample or not todo:
+                break
+            tries, resampled = tries + 1, resampled + len(todo)
+        deploy = [s.grade for g in groups for s in g if s.student]
+        if any(bool(v.any()) for v in knobs.values("hack").values()):
+            with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
+                shown = sample_and_grade(model, tokenizer, env, [problems[i] for i in pids], prompt_ids,
+                                         G - G_t, max_new_tokens=cfg.rollout.max_new_tokens,
+                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                         seed=step_seed(cfg.run.seed, step, 0), clock=clock)  # students' seed
+            deploy = [s.grade for s in shown]
+        yield Batch(step, stage, pids, groups, rewards, zero, deploy, resampled, tries, clock)
+
+
+def eval_grades(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence,
+                prompt_ids: dict[str, list[int]]) -> list[Graded]:
+    """Greedy samples of the deployed model (quarantine zeroed) on `problems`, graded."""
+    with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
+        got = sample_and_grade(model, tokenizer, env, problems, prompt_ids, 1,
+                               max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, seed=0)
+    return [s.grade for s in got]

@@ -1,0 +1,173 @@
+"""One run's setup, shared by every entry point (train, experiment, build-pool, extract-direction, export).
+
+Each function takes the whole `Config` and reads its fields as `cfg.<section>.<field>`:
+  load_model     the policy and tokenizer (smoke model, embedded organism, or a Hugging Face directory)
+  make_env       the environment named by env.name (ENVIRONMENTS), which owns its sandbox until close()
+  wrap_knobs     freeze the model, wrap its Linears in knobs
+  prompt_table   problem id -> (chat-formatted prompt text, ids) through the environment's messages
+  open_pool      the teacher pool: a given file, or built once from the environment's templates
+  v_pairs, extract_settings, v_hack_path, resolve_v_hack   V_hack's inputs, cache key and cached extraction
+Nothing here trains; the loop (train.py) calls these in order. docs/architecture.md shows the data path.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from projected_grpo import config as C
+from projected_grpo import store
+from projected_grpo.envs.base import RewardFnEnv, load_reward_fn
+from projected_grpo.errors import UserError
+from projected_grpo.hack import direction, pairs
+from projected_grpo.knobs import adapters
+from projected_grpo.run import pool as P
+from projected_grpo.run.rollout import prompt_text_and_ids
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# --- model and environment ---------------------------------------------------------------------------------
+
+def load_model(cfg: C.Config, tokenizer_only: bool = False):
+    """(model or None, tokenizer) for cfg.model.source; the model in eval mode (no dropout in RL) on
+    cfg.model.device. The tokenizer gets a pad token (its eos) when it has none: pad positions are masked."""
+    from projected_grpo.organism import build as organism
+
+    if cfg.model.source == "smoke":
+        model, tok = organism.smoke_model_and_tokenizer(seed=cfg.run.seed)
+    elif cfg.model.source == "organism":
+        path = organism.build_organism(cache_dir=cfg.model.cache_dir or None, log=_log)
+        model, tok, _ = organism.load_organism(path)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        if not cfg.model.path:
+            raise UserError("config: model.source='hf' needs model.path (pass --model PATH)")
+        if not pathlib.Path(cfg.model.path).is_dir():
+            raise UserError(f"config: model.path={cfg.model.path!r} is not a directory")
+        gguf = {"gguf_file": cfg.model.gguf_file} if cfg.model.gguf_file else {}
+        tok = AutoTokenizer.from_pretrained(cfg.model.path, **gguf)
+        model = None if tokenizer_only else AutoModelForCausalLM.from_pretrained(
+            cfg.model.path, dtype=getattr(torch, cfg.model.dtype), **gguf)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return (None if model is None else model.to(cfg.model.device).eval()), tok
+
+
+def _coding_env(cfg: C.Config):
+    from projected_grpo.envs.coding.env import CodeEnv, load_problems
+
+    problems = load_problems(cfg.env.problems, cfg.env.modes, cfg.env.max_problems)
+    return CodeEnv(problems, reward_shape=cfg.env.reward_shape, timeout_s=cfg.env.timeout_s,
+                   workers=cfg.env.workers)
+
+
+def _reward_fn_env(cfg: C.Config):
+    return RewardFnEnv.from_jsonl(load_reward_fn(cfg.env.reward_fn), cfg.env.problems, cfg.env.max_problems)
+
+
+# env.name -> constructor from the config; an environment is closed by its user (`with closing(env)`)
+ENVIRONMENTS: dict[str, Callable[[C.Config], object]] = {"coding": _coding_env, "reward_fn": _reward_fn_env}
+
+
+def make_env(cfg: C.Config):
+    """The environment cfg.env.name names (ENVIRONMENTS); close it when done (it may own a sandbox)."""
+    return ENVIRONMENTS[cfg.env.name](cfg)
+
+
+def wrap_knobs(cfg: C.Config, model) -> adapters.Knobs:
+    """Freeze `model` and wrap its target Linears in cfg.model.knob knobs (SVDs cached in the cache root)."""
+    return adapters.wrap(model, kind=cfg.model.knob, targets=cfg.model.targets or adapters.DEFAULT_TARGETS,
+                         rank=cfg.model.rank or None, cache_dir=cache_dir(cfg) / "svd", seed=cfg.run.seed)
+
+
+def cache_dir(cfg: C.Config) -> pathlib.Path:
+    return store.cache_root(cfg.model.cache_dir or None)
+
+
+def prompt_table(env, tokenizer, problems: Sequence) -> dict[str, tuple[str, list[int]]]:
+    """problem id -> (prompt text, prompt ids), encoded with the tokenizer's chat template."""
+    return {p.id: prompt_text_and_ids(tokenizer, env.messages(p)) for p in problems}
+
+
+# --- teacher pool ------------------------------------------------------------------------------------------
+
+def template_counts(cfg: C.Config) -> dict[str, int]:
+    return {"hack": cfg.pool.n_hack, "clean": cfg.pool.n_clean, "buggy": cfg.pool.n_buggy}
+
+
+def build_template_pool(cfg: C.Config, env, tokenizer, problems: Sequence, prompts: dict,
+                        path: pathlib.Path) -> list[dict]:
+    """Template rows of `problems`, graded once, written to `path`; returns them."""
+    rows = P.template_rows(env, problems, tokenizer, prompts, template_counts(cfg))
+    P.write_pool(path, rows)
+    return rows
+
+
+def open_pool(cfg: C.Config, env, tokenizer, problems: Sequence, prompts: dict,
+              run_dir: pathlib.Path) -> P.TeacherPool:
+    """The run's teacher pool: cfg.pool.path, else template rows built once into run_dir/pool.jsonl
+    (only when teacher rows are drawn, G_t > 0)."""
+    path = pathlib.Path(cfg.pool.path or run_dir / "pool.jsonl")
+    if not cfg.pool.path and not cfg.rollout.G_t:
+        return P.EMPTY_POOL
+    if not cfg.pool.path and not path.exists():
+        build_template_pool(cfg, env, tokenizer, problems, prompts, path)
+    return P.load_pool(path, tokenizer, problems, {i: ids for i, (_, ids) in prompts.items()})
+
+
+# --- V_hack ------------------------------------------------------------------------------------------------
+
+def mined_pairs(pool_path: str, tokenizer, problems: Sequence, prompt_ids: dict, known_modes: Sequence[str],
+                detectors: Sequence[str] = ("E",), per_problem: int = 2) -> tuple[list[pairs.Pair], dict]:
+    """Pairs mined from a pool file over `problems` with the known modes' detectors (pairs.pairs_from_pool,
+    the weak-detector rule) and the mining stats; the pool is validated and drift-checked as training loads
+    it."""
+    rows = P.load_pool(pool_path, tokenizer, problems, prompt_ids).rows
+    return pairs.pairs_from_pool(rows, known_modes, detectors, per_problem)
+
+
+def extract_settings(cfg: C.Config) -> direction.ExtractSettings:
+    """The extraction settings of cfg.proj (with the loss's constant denominator): V_hack's cache key."""
+    return direction.ExtractSettings(
+        k=cfg.proj.k, tau_axis=cfg.proj.tau_axis, n_heldout=cfg.proj.n_heldout, nll_norm=cfg.proj.nll_norm,
+        nll_const=float(cfg.rollout.dr_grpo_denom), control=cfg.proj.control,
+        # the seed only draws the controls; the real V is seed-free, so every seed shares one cached V
+        seed=cfg.run.seed if cfg.proj.control != "none" else 0)
+
+
+def v_pairs(cfg: C.Config, env, problems: Sequence) -> list[pairs.Pair]:
+    """V_hack's contrastive pairs: cfg.proj.pairs, else the environment's templates of `problems`."""
+    if cfg.proj.pairs:
+        return pairs.load_pairs_file(cfg.proj.pairs)
+    return pairs.builtin_pairs(env, problems, cfg.proj.pairs_per_problem)
+
+
+def v_hack_path(cfg: C.Config, knobs, tokenizer, pair_list, settings) -> pathlib.Path:
+    """cfg.proj.v_path, else the cache file keyed by everything the extraction depends on."""
+    if cfg.proj.v_path:
+        return pathlib.Path(cfg.proj.v_path)
+    key = store.stable_hash(direction.cache_meta(settings, knobs, tokenizer, pair_list))
+    return cache_dir(cfg) / "v_hack" / f"{key}.safetensors"
+
+
+def resolve_v_hack(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence):
+    """(V_hack post-processed for use (name -> (K, R)), status line): the cached direction, extracted on a
+    miss (slow on a real model: a line says so first)."""
+    settings = extract_settings(cfg)
+    pair_list = v_pairs(cfg, env, problems)
+    path = v_hack_path(cfg, knobs, tokenizer, pair_list, settings)
+    if not path.exists():
+        _log(f"V_hack: extracting from {len(pair_list)} pairs into {path} (first use of these inputs)")
+    t0 = time.perf_counter()
+    found, status = direction.resolve(path, settings, model, knobs, tokenizer, pair_list)
+    V, report = direction.postprocess(found.V, found.S, cfg.proj.k_use, cfg.proj.drop_bottom_frac)
+    line = (f"V_hack {path} ({status}, {time.perf_counter() - t0:.0f} s): {sum(len(v) for v in V.values())} "
+            f"rows in {len(V)} modules, dropped {report['dropped_modules']}")
+    return V, line

@@ -1,0 +1,81 @@
+"""The file tree is the architecture: each layer imports only what docs/architecture.md's table allows,
+no module imports run/train.py except the CLI, and no source file is much over 400 lines.
+
+Run: .venv/bin/pytest -q tests/test_layout.py
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "projected_grpo"
+
+# layer -> the layers its modules may import (every import counts, lazy ones inside functions too)
+BASE = {"store", "errors"}
+ALLOWED: dict[str, set[str]] = {
+    "store": {"errors"}, "errors": set(), "config": {"errors"}, "presets": {"config", "errors"},
+    "objective": {"objective"},
+    "knobs": {"knobs", "objective"} | BASE,
+    "envs": {"envs"} | BASE,
+    "hack": {"hack", "knobs", "objective", "run.rollout", "envs.base", "presets"} | BASE,
+    "run": {"run", "hack", "knobs", "objective", "envs", "organism", "config", "presets"} | BASE,
+    "organism": {"organism", "run.rollout", "run.schedule", "envs", "objective"} | BASE,
+    "study": {"study", "run", "envs", "hack", "config", "presets"} | BASE,
+    "cli": {"errors"},
+}
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[0]
+
+
+PACKAGES = {"", "run", "hack", "knobs", "study", "objective", "organism", "envs", "envs.coding"}
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+    """Dotted names (after projected_grpo.) of every projected_grpo module `path` imports."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("projected_grpo"):
+            base = node.module.removeprefix("projected_grpo").lstrip(".")
+            # `from projected_grpo.run import setup` names a module; `from ...setup import x`, a name in one
+            out += [f"{base}.{a.name}".lstrip(".") if base in PACKAGES else base for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [a.name.removeprefix("projected_grpo.") for a in node.names
+                    if a.name.startswith("projected_grpo.")]
+    return out
+
+
+def _allowed(imported: str, allowed: set[str]) -> bool:
+    return any(imported == a or imported.startswith(a + ".") for a in allowed)
+
+
+def test_layers_import_only_what_the_architecture_allows():
+    bad = []
+    for path in SRC.rglob("*.py"):
+        module = ".".join(path.relative_to(SRC).with_suffix("").parts)
+        layer = _layer(module)
+        if layer == "__init__":
+            continue
+        # a command's own module (`*_cli`) is an entry point: it may also set a run up
+        allowed = ALLOWED[layer] | ({"run.setup"} if module.endswith("_cli") else set())
+        for imp in _imports(path):
+            if not _allowed(imp, allowed):
+                bad.append(f"{module} imports {imp}")
+    assert bad == []
+
+
+def test_only_the_cli_reaches_the_training_loop():
+    # run/train.py is the `train` command; everything else goes through the CLI (a run is a process)
+    users = [str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+             if any(i in ("run.train", "run.train.train") for i in _imports(p))]
+    assert users == []
+    assert '"projected_grpo.run.train:main"' in (SRC / "cli.py").read_text()
+
+
+def test_files_stay_near_400_lines():
+    files = [*SRC.rglob("*.py"), *SRC.parents[1].glob("tests/*.py")]
+    long = {str(p.relative_to(SRC.parents[1])): n for p in files
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 420}
+    assert long == {}
