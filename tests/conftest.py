@@ -12,7 +12,8 @@ import torch
 torch.set_num_threads(1)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+# $PROJECTED_GRPO_SHARED_DATA overrides it: a git worktree's parent is not the repo's parent
+SHARED_DATA = pathlib.Path(os.environ.get("PROJECTED_GRPO_SHARED_DATA") or REPO.parent / "shared" / "data")
 
 
 def pytest_collection_modifyitems(config, items):

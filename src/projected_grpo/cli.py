@@ -30,6 +30,10 @@ COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
                           "projected_grpo.hack.direction_cli:main"),
     "check-grader": ("self-check loophole graders + oracle",
                      "projected_grpo.envs.coding.selfcheck:check_grader"),
+    "check-verifier": ("self-check the maths verifiers on a GSM8K file",
+                       "projected_grpo.envs.maths.cli:check_verifier"),
+    "grade-math": ("grade one maths response: strict + loophole (JSON)",
+                   "projected_grpo.envs.maths.cli:grade_math"),
     "sandbox-run": ("run a .py file in the sandbox (JSON)",
                     "projected_grpo.envs.coding.sandbox:sandbox_run_cli"),
 }
