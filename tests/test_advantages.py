@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from projected_grpo.objective.advantages import (
     ADVANTAGES,
     STD_EPS,
+    ZERO_VAR_EPS,
     batch_std_advantages,
     dr_grpo_advantages,
     get_advantage,
@@ -64,6 +65,24 @@ def test_zero_variance_mask_hand_example():
     assert zero_variance_mask(r).tolist() == [True, False, True]
 
 
+def test_zero_variance_is_the_seeds_max_minus_min_below_eps():
+    assert ZERO_VAR_EPS == 1e-6
+    # ranges: 5e-7 < 1e-6 -> zero; 2e-6 -> not; 1e-6 exactly -> not (strict <, as the seed's `<`)
+    r = torch.tensor([[1.0, 1.0 + 5e-7, 1.0], [1.0, 1.0 + 2e-6, 1.0], [0.0, 1e-6, 0.0]], dtype=torch.float64)
+    assert zero_variance_mask(r).tolist() == [True, False, False]
+    # Row 0 without the eps test: mean = 1 + 5e-7/3, deviations (-1/3, 2/3, -1/3) * 5e-7, Bessel std
+    # = sqrt((2 * (5e-7/3)**2 + (10e-7/3)**2) / 2) = 5e-7/sqrt(3) = 2.887e-7, so grpo would give the
+    # middle sample (10e-7/3) / (2.887e-7 + 1e-4) = 3.32e-3 for float noise. With it: exactly 0.
+    for name, fn in ADVANTAGES.items():
+        adv, stats = fn(r)
+        assert (adv[0] == 0).all(), name
+        assert (adv[1:].abs().sum(dim=1) > 0).all(), name
+        assert abs(stats["reward/frac_zero_std"].item() - 1 / 3) < 1e-7, name  # a float32 mean
+    adv, _ = dr_grpo_advantages(r)
+    # row 1: mean 1 + 2e-6/3 -> dr_grpo adv = (-2e-6/3, 4e-6/3, -2e-6/3)
+    torch.testing.assert_close(adv[1], torch.tensor([-2e-6 / 3, 4e-6 / 3, -2e-6 / 3], dtype=torch.float64))
+
+
 def test_mixed_student_teacher_group_is_one_matrix():
     # G_s = 2 student rewards [0, 0], G_t = 2 teacher rewards [1, 1]: one group of G = 4, mean 0.5,
     # so the teacher samples set the students' baseline: dr_grpo adv = [-.5, -.5, .5, .5]
@@ -80,14 +99,26 @@ rewards_st = st.integers(1, 4).flatmap(lambda B: st.integers(2, 6).flatmap(lambd
 
 
 @settings(max_examples=60, deadline=None)
-@given(rows=rewards_st, const_row=st.integers(0, 3), value=st.sampled_from([0.0, 0.1, 1 / 3, 0.7, -5.0]))
-def test_zero_variance_group_gets_exactly_zero_under_every_estimator(rows, const_row, value):
-    r = torch.tensor(rows, dtype=torch.float32)
-    r[const_row % r.shape[0]] = value  # 0.1 / (1/3): group means that do not round-trip exactly
+@given(rows=rewards_st, const_row=st.integers(0, 3), value=st.sampled_from([0.0, 0.1, 1 / 3, 0.7, -5.0]),
+       jitter=st.lists(st.floats(0.0, 4e-7), min_size=6, max_size=6))
+def test_zero_variance_group_gets_exactly_zero_under_every_estimator(rows, const_row, value, jitter):
+    r = torch.tensor(rows, dtype=torch.float64)
+    G = r.shape[1]
+    # 0.1 / (1/3): group means that do not round-trip exactly; jitter: a spread under ZERO_VAR_EPS
+    r[const_row % r.shape[0]] = value + torch.tensor(jitter[:G], dtype=torch.float64)
+    assert zero_variance_mask(r)[const_row % r.shape[0]]
     for name, fn in ADVANTAGES.items():
         adv, _ = fn(r)
         assert (adv[const_row % r.shape[0]] == 0).all(), name
         assert torch.isfinite(adv).all(), name
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=rewards_st)
+def test_zero_variance_mask_is_max_minus_min_below_eps(rows):
+    r = torch.tensor(rows, dtype=torch.float64)
+    want = [max(row) - min(row) < ZERO_VAR_EPS for row in rows]
+    assert zero_variance_mask(r).tolist() == want
 
 
 @settings(max_examples=60, deadline=None)

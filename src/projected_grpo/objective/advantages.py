@@ -5,8 +5,9 @@ from `ADVANTAGES`. A mixed rollout pool is not special here: a prompt's group of
 samples and G_t cached teacher samples is just the (B, G_s + G_t) matrix `torch.cat([r_s, r_t], 1)`,
 and every estimator treats all G columns alike (baseline and scale use the whole mixed group).
 
-Every estimator returns exactly 0 for a zero-variance group (all G rewards equal): float rounding in
-the group mean would otherwise leave ~1e-17 residues, which grpo's 1/(std + eps) blows up to ~1e-13.
+Every estimator returns exactly 0 for a zero-variance group, max_g R - min_g R < ZERO_VAR_EPS (the
+seed's test): float rounding in the group mean would otherwise leave ~1e-17 residues, which grpo's
+1/(std + eps) blows up to ~1e-13, and rewards that differ only by float noise carry no signal.
 Not here: token-level advantages (GAE lives in losses.py) and reward shaping.
 """
 
@@ -23,6 +24,12 @@ Stats = dict[str, torch.Tensor]
 # TRL GRPOTrainer divides by (std + 1e-4) and uses torch.std (Bessel-corrected, unbiased);
 # verl's GRPO estimator also uses torch.std but eps 1e-6. We follow TRL so runs are comparable to it.
 STD_EPS = 1e-4
+
+# A group whose rewards span less than this is zero-variance (the seed: `if max(R) - min(R) < eps`).
+# 1e-6: above float32 noise at the rewards' scale (an ulp of 3.5, the largest rl_rewardhacking reward,
+# is 2.4e-7), far below the smallest real step between rewards (0.25, the format credit); verl's
+# GRPO uses 1e-6 as its epsilon too. Absolute, so rewards in the thousands would need a larger one.
+ZERO_VAR_EPS = 1e-6
 
 
 def _check_rewards(rewards: torch.Tensor, what: str) -> tuple[int, int]:
@@ -46,13 +53,13 @@ def _check_rewards(rewards: torch.Tensor, what: str) -> tuple[int, int]:
     return B, G
 
 
-def zero_variance_mask(rewards: torch.Tensor) -> torch.Tensor:
-    """True for groups whose G rewards are all exactly equal (no learning signal).
+def zero_variance_mask(rewards: torch.Tensor, eps: float = ZERO_VAR_EPS) -> torch.Tensor:
+    """True for groups with no learning signal: max_g R - min_g R < eps (all G rewards equal up to eps).
 
     rewards: (B, G) float.  Returns (B,) bool.
     """
     _check_rewards(rewards, "zero_variance_mask")
-    return (rewards == rewards[:, :1]).all(dim=1)  # (B,)
+    return (rewards.amax(dim=1) - rewards.amin(dim=1)) < eps  # (B,)
 
 
 def _finish(adv: torch.Tensor, rewards: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, Stats]:
