@@ -122,5 +122,5 @@ def test_oracle_on_real_rows_canonical_passes_stub_fails(shared_data, pool):
 
 @pytest.mark.slow
 def test_check_dataset_in_full(shared_data, pool):
-    failures, result = check_dataset(Grader(pool, timeout_s=30.0), shared_data / FILE)
+    failures, result = check_dataset(Grader(pool, timeout_s=30.0), load_leetcode_rows(shared_data / FILE))
     assert failures == [] and result == "RESULT canonical_pass=119/119 stub_pass=0/119"

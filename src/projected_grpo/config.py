@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pathlib
 import typing
 from dataclasses import dataclass, field
 from typing import Literal
@@ -371,6 +372,8 @@ class Config:
 
     @classmethod
     def from_json(cls, path: str) -> Config:
+        if not pathlib.Path(path).is_file():
+            raise UserError(f"{path}: no such config file")
         with open(path, encoding="utf-8") as f:
             try:
                 data = json.load(f)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from projected_grpo.errors import UserError
 from projected_grpo.store import read_jsonl
 
 Messages = tuple[dict[str, str], ...]
@@ -134,35 +135,35 @@ _OPTIONAL_KEYS = {"prompt_ids", "hack_ids", "clean_ids", "source"}
 def _pair_from_obj(obj: object, where: str) -> Pair:
     """One file record -> Pair; `where` is "FILE:LINE" (or "FILE item I") for the error message."""
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object with keys prompt, hack, clean; "
+        raise UserError(f"{where}: expected a JSON object with keys prompt, hack, clean; "
                          f"got {type(obj).__name__}")
     missing = sorted(_FILE_KEYS - obj.keys())
     if missing:
-        raise ValueError(f"{where}: missing field(s) {missing}; each record needs prompt, hack, clean")
+        raise UserError(f"{where}: missing field(s) {missing}; each record needs prompt, hack, clean")
     unknown = sorted(obj.keys() - _FILE_KEYS - _OPTIONAL_KEYS)
     if unknown:
-        raise ValueError(f"{where}: unknown field(s) {unknown}; "
+        raise UserError(f"{where}: unknown field(s) {unknown}; "
                          f"allowed: {sorted(_FILE_KEYS | _OPTIONAL_KEYS)}")
     for key in ("hack", "clean"):
         if not isinstance(obj[key], str) or not obj[key].strip():
-            raise ValueError(f"{where}: field {key!r} must be a non-empty string, got {obj[key]!r:.80}")
+            raise UserError(f"{where}: field {key!r} must be a non-empty string, got {obj[key]!r:.80}")
     prompt = obj["prompt"]
     if isinstance(prompt, list):
         for j, m in enumerate(prompt):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                     and isinstance(m.get("content"), str)):
-                raise ValueError(f"{where}: field 'prompt'[{j}] must be an object with string 'role' and "
+                raise UserError(f"{where}: field 'prompt'[{j}] must be an object with string 'role' and "
                                  f"'content', got {m!r:.80}")
         prompt = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
         if not prompt:
-            raise ValueError(f"{where}: field 'prompt' is an empty message list")
+            raise UserError(f"{where}: field 'prompt' is an empty message list")
     elif not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: field 'prompt' must be a non-empty string or a list of chat messages")
+        raise UserError(f"{where}: field 'prompt' must be a non-empty string or a list of chat messages")
     ids: dict[str, tuple[int, ...] | None] = {}
     for key in ("prompt_ids", "hack_ids", "clean_ids"):
         v = obj.get(key)
         if v is not None and not (isinstance(v, list) and v and all(isinstance(i, int) for i in v)):
-            raise ValueError(f"{where}: field {key!r} must be a non-empty list of ints, got {v!r:.80}")
+            raise UserError(f"{where}: field {key!r} must be a non-empty list of ints, got {v!r:.80}")
         ids[key] = None if v is None else tuple(v)
     return Pair(prompt, obj["hack"], obj["clean"], source=str(obj.get("source", where)), **ids)
 
@@ -185,15 +186,15 @@ def load_pairs_file(path: str | pathlib.Path) -> list[Pair]:
         try:
             items = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
+            raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
         if not isinstance(items, list):
-            raise ValueError(f"{path}: a .json pairs file must hold a list of objects, "
+            raise UserError(f"{path}: a .json pairs file must hold a list of objects, "
                              f"got {type(items).__name__}")
         pairs = [_pair_from_obj(obj, f"{path} item {i}") for i, obj in enumerate(items)]
     else:
-        raise ValueError(f"pairs file {path}: unknown extension {path.suffix!r}; use .jsonl or .json")
+        raise UserError(f"pairs file {path}: unknown extension {path.suffix!r}; use .jsonl or .json")
     if not pairs:
-        raise ValueError(f"pairs file {path} holds no pairs")
+        raise UserError(f"pairs file {path} holds no pairs")
     return pairs
 
 

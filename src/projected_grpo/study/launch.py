@@ -17,10 +17,15 @@ import sys
 from collections.abc import Callable, Sequence
 
 from projected_grpo import store
+from projected_grpo.errors import UserError
 from projected_grpo.run import metrics
 
 Log = Callable[[str], None]
 LOG_FILE = "train.log"
+
+
+class RunFailed(UserError):
+    """A run's process exited non-zero; its own output already says why, so the sweep adds one line."""
 
 
 def train_command(plan: pathlib.Path, resume: bool) -> list[str]:
@@ -38,8 +43,9 @@ def _train_one(cmd: list[str], run_dir: pathlib.Path, to_log: bool) -> None:
         done = subprocess.run(cmd, check=False)
     if done.returncode:
         where = f"; its output is in {run_dir / LOG_FILE}" if to_log else ""
-        raise RuntimeError(f"run {run_dir} failed (exit {done.returncode}){where}; rerun the sweep's command "
-                           "to resume it from its last checkpoint")
+        # the run printed why (one line for a user's mistake, a traceback for a bug): say which, once
+        raise RunFailed(f"run {run_dir} failed (exit {done.returncode}){where}; fix what it printed, then "
+                        "rerun the sweep's command: it resumes that run from its last checkpoint")
 
 
 def run_all(runs: Sequence, plans_dir: pathlib.Path, log: Log, jobs: int = 1) -> dict[str, int]:

@@ -102,9 +102,9 @@ def check_builtin(grader: Grader, pool, timeout_s: float) -> list[str]:
     return failures
 
 
-def check_dataset(grader: Grader, path: pathlib.Path) -> tuple[list[str], str]:
-    """Oracle on every row's canonical solution and a `return 0` stub: (failures, RESULT line)."""
-    rows = load_leetcode_rows(path)
+def check_dataset(grader: Grader, rows: list) -> tuple[list[str], str]:
+    """Oracle on every row's canonical solution and a `return 0` stub: (failures, RESULT line).
+    rows: leetcode.load_leetcode_rows of the dataset (read before any grading, so a bad file fails fast)."""
     problems = [p for p, _ in rows]
     canon = grader.oracle_batch([p.canonical for p in problems], problems)
     stubs = grader.oracle_batch([method_source(p.starter_code, "return 0") for p in problems], problems)
@@ -125,12 +125,13 @@ def check_grader(argv: list[str]) -> int:
     """Entry point of `projected-grpo check-grader`."""
     opts = tyro.cli(CheckGraderOptions, args=argv, prog="projected-grpo check-grader")
     t0 = time.monotonic()
+    rows = load_leetcode_rows(opts.dataset) if opts.dataset is not None else None  # a bad file fails first
     with SandboxPool(opts.workers) as pool:
         failures = check_builtin(Grader(pool, timeout_s=opts.timeout_s), pool, opts.timeout_s)
         result = None
         if opts.dataset is not None:
             dataset_grader = Grader(pool, timeout_s=opts.dataset_timeout_s)
-            dataset_failures, result = check_dataset(dataset_grader, opts.dataset)
+            dataset_failures, result = check_dataset(dataset_grader, rows)
             failures += dataset_failures
     for f in failures:
         print(f"FAIL {f}")
