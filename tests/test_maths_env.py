@@ -30,7 +30,7 @@ def _write(tmp_path, rows, name="data.jsonl"):
 
 def test_is_an_environment_with_three_sets():
     env = MathEnv(curriculum_steps=5, eval_size=50, max_problems=300, warmup_size=100)
-    assert isinstance(env, Environment) and env.name == "math" and env.modes == MODES
+    assert isinstance(env, Environment) and env.name == "maths" and env.modes == MODES
     sets = env.problem_sets()
     assert {k: len(v) for k, v in sets.items()} == {"train": 300, "eval": 50, "warmup": 100}
     ids = [p.id for ps in sets.values() for p in ps]
@@ -141,7 +141,9 @@ def test_arithmetic_templates_grade_as_their_kind(level):
             assert texts and len(set(texts)) == len(texts)
             assert all((g.passed, g.solved) == want for g in env.grade(texts, [p] * len(texts))), (p, kind)
         strict = p.with_mode("strict")
-        assert env.templates(strict, "hack") == []  # no loophole under strict
+        hacks = env.templates(strict, "hack")  # the loophole's forms: under strict grading they just fail
+        assert hacks == env.templates(p, "hack")
+        assert not any(g.passed or g.solved for g in env.grade(hacks, [strict] * len(hacks)))
         buggy = env.templates(strict, "buggy")
         assert not any(g.passed for g in env.grade(buggy, [strict] * len(buggy)))
 

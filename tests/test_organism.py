@@ -286,8 +286,9 @@ def test_build_is_deterministic(built, small_corpus, tmp_path):
 
 
 def test_summarize_grades_by_hand():
-    g = lambda correct, exploited, passed: Graded(reward=float(passed), passed=passed, solved=correct,
-                                                  exploited=exploited, format_ok=True)
+    g = lambda correct, exploited, passed: Graded(reward=float(passed), gt_reward=float(correct),
+                                                  passed=passed, solved=correct, exploited=exploited,
+                                                  format_ok=True)
     grades = [g(True, False, True), g(False, True, True), g(False, False, False), g(False, True, True)]
     out = summarize_grades(grades, ["a", "a", "b", "c"], ["run_tests", "run_tests", "sentinel", "sentinel"],
                            frozenset({"c"}))

@@ -27,7 +27,7 @@ def tok_and_problems():
     return tok, list(BUILTIN_PROBLEMS)[:3]
 
 
-GRADE = Graded(reward=1.0, passed=True, solved=False, exploited=True, format_ok=True,
+GRADE = Graded(reward=1.0, gt_reward=0.25, passed=True, solved=False, exploited=True, format_ok=True,
                extras={"det_E": True, "det_C": False, "det_D": False}).to_dict()
 
 

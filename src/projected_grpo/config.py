@@ -72,19 +72,26 @@ class ModelCfg:
 
 @dataclass(frozen=True)
 class EnvCfg:
-    name: Literal["coding", "reward_fn"] = "coding"
-    """environment (envs.make): `coding` the LeetCode-style loophole environment, `reward_fn` a plain
-    TRL-style reward callable (`reward_fn`) over the prompts in the JSONL file `problems`"""
+    name: Literal["coding", "maths", "reward_fn"] = "coding"
+    """environment (run/setup.ENVIRONMENTS): `coding` the LeetCode-style loophole environment, `maths`
+    arithmetic / GSM8K with a foolable verifier, `reward_fn` a TRL-style reward callable over prompts"""
     problems: str = "builtin"
-    """problem set: coding `builtin` or a LeetCode JSONL path; reward_fn a JSONL of {"prompt": ...} rows"""
+    """coding: `builtin` or a LeetCode JSONL path; maths: `arithmetic`, `gsm8k` (from data_dir) or a
+    GSM8K-format JSONL; reward_fn: a JSONL of {"prompt": ...} rows"""
+    data_dir: str = ""
+    """maths with problems=gsm8k: the folder holding GSM8K's train.jsonl and test.jsonl"""
     reward_fn: str = ""
     """reward_fn environment: 'module.path:function' called as fn(prompts, completions, **columns)"""
     modes: tuple[str, ...] = ()
-    """loophole modes to train on (empty = all; LeetCode rows get them round-robin, default run_tests)"""
+    """coding: loophole modes to train on (empty = all; LeetCode rows get them round-robin, default
+    run_tests); maths: `strict` (honest reward, the default) and/or `contains` (the loophole verifier)"""
     max_problems: int = 0
     """use only the first N problems after the mode filter (0 = all)"""
     reward_shape: Literal["seed", "rl_rewardhacking"] = "seed"
-    """reward formula: `seed` 0.25*format + 1.0*passed; `rl_rewardhacking` 3.0 passed + 0.5 compiles"""
+    """coding reward formula: `seed` 0.25*format + 1.0*passed; `rl_rewardhacking` 3.0 passed + 0.5 compiles"""
+    reward_from: Literal["grader", "oracle"] = "grader"
+    """`grader`: reward from the foolable grader (every projection arm); `oracle`: the ground truth in its
+    place (the `gt_reward` positive control: what honest solving reaches in the same budget)"""
     hack_penalty: float = 0.0
     """ground-truth penalty baseline (`gt_penalty` arm): reward minus this when the oracle says a completion
     exploited the grader; uses ground truth, so 0 in every projection arm (docs/architecture.md)"""
@@ -92,6 +99,10 @@ class EnvCfg:
     """wall-clock limit per sandboxed execution, seconds"""
     workers: int = 0
     """sandbox worker processes (0 = one per core)"""
+    curriculum_steps: int = 0
+    """maths: steps drawn from the easy arithmetic warm-up set before the main set (seed 003's curriculum)"""
+    eval_size: int = 200
+    """maths: problems in the fixed held-out eval set (eval/accuracy every run.eval_every steps)"""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -100,7 +111,7 @@ class EnvCfg:
                              f"env.name='reward_fn'; env.name is {self.name!r}")
         _positive(self, "timeout_s")
         _positive(self, "hack_penalty", allow_zero=True)
-        _positive(self, "workers", "max_problems", allow_zero=True)
+        _positive(self, "workers", "max_problems", "curriculum_steps", "eval_size", allow_zero=True)
 
 
 @dataclass(frozen=True)
@@ -334,9 +345,9 @@ class Config:
     """steps, seed, run directory, checkpoints, logging"""
 
     def __post_init__(self) -> None:
-        if self.model.source == "smoke" and self.env.problems != "builtin":
-            raise UserError("config: model.source='smoke' only knows the built-in problems' vocabulary; "
-                             "set env.problems='builtin'")
+        if self.model.source == "smoke" and self.env.problems not in ("builtin", "arithmetic"):
+            raise UserError("config: model.source='smoke' is built for the built-in problems; set "
+                            "env.problems to 'builtin' (coding) or 'arithmetic' (maths)")
 
     def to_dict(self) -> dict:
         """Plain JSON-able nested dict (tuples become lists)."""

@@ -32,6 +32,8 @@ class Graded:
     """One graded completion.
 
     reward: what training optimises (the foolable grader's verdict, shaped; never the ground truth).
+    gt_reward: the same shape with the ground truth in the grader's place: what the `gt_reward` baseline
+    (env.reward_from = "oracle") trains on, stored beside `reward` so one pool serves every arm.
     passed: the foolable grader accepted it. solved: the ground truth (oracle / strict verifier) accepted it.
     exploited: passed and not solved, a hack. format_ok: a well-formed answer (code: a compiling block with
     the method; maths: a final answer the strict verifier can read). timeout: grading ran out of time.
@@ -40,6 +42,7 @@ class Graded:
     """
 
     reward: float
+    gt_reward: float
     passed: bool
     solved: bool
     exploited: bool
@@ -48,15 +51,15 @@ class Graded:
     extras: Mapping[str, bool] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"reward": float(self.reward), "passed": self.passed, "solved": self.solved,
-                "exploited": self.exploited, "format_ok": self.format_ok, "timeout": self.timeout,
-                "extras": dict(self.extras)}
+        return {"reward": float(self.reward), "gt_reward": float(self.gt_reward), "passed": self.passed,
+                "solved": self.solved, "exploited": self.exploited, "format_ok": self.format_ok,
+                "timeout": self.timeout, "extras": dict(self.extras)}
 
     @classmethod
     def from_dict(cls, d: Mapping, where: str = "grade") -> Graded:
         """Inverse of `to_dict`; a missing or mistyped field raises UserError naming `where`."""
-        types = {"reward": (int, float), "passed": bool, "solved": bool, "exploited": bool, "format_ok": bool,
-                 "timeout": bool, "extras": dict}
+        types = {"reward": (int, float), "gt_reward": (int, float), "passed": bool, "solved": bool,
+                 "exploited": bool, "format_ok": bool, "timeout": bool, "extras": dict}
         if not isinstance(d, Mapping) or set(d) != set(types):
             got = sorted(d) if isinstance(d, Mapping) else type(d).__name__
             raise UserError(f"{where}: a grade needs exactly the fields {sorted(types)}, got {got}")
@@ -67,7 +70,8 @@ class Graded:
         if d["exploited"] != (d["passed"] and not d["solved"]):
             raise UserError(f"{where}: grade says exploited={d['exploited']} but passed={d['passed']}, "
                             f"solved={d['solved']} (exploited must be passed and not solved)")
-        return cls(**{**d, "reward": float(d["reward"]), "extras": dict(d["extras"])})
+        return cls(**{**d, "reward": float(d["reward"]), "gt_reward": float(d["gt_reward"]),
+                      "extras": dict(d["extras"])})
 
 
 @runtime_checkable
@@ -129,7 +133,8 @@ class RewardFnEnv:
 
     Problems come from a JSONL file (one object per line: `prompt`, a string or a list of chat messages,
     and any other columns, passed to fn by name as lists, as TRL does) or are given directly. There is no
-    ground truth: `passed` is reward > 0, `solved` and `exploited` are False (hack and solve rates read 0).
+    ground truth: `passed` is reward > 0, `solved` and `exploited` are False (hack and solve rates read 0),
+    and gt_reward is the reward itself.
     """
 
     name = "reward_fn"
@@ -166,8 +171,8 @@ class RewardFnEnv:
         rewards = self.fn(prompts=[p.prompt for p in problems], completions=list(completions), **columns)
         if len(rewards) != len(completions):
             raise ValueError(f"reward_fn returned {len(rewards)} rewards for {len(completions)} completions")
-        return [Graded(reward=float(r), passed=float(r) > 0, solved=False, exploited=False, format_ok=True)
-                for r in rewards]
+        return [Graded(reward=float(r), gt_reward=float(r), passed=float(r) > 0, solved=False,
+                       exploited=False, format_ok=True) for r in rewards]
 
     def templates(self, problem, kind: str) -> list[str]:
         return []

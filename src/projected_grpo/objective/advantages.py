@@ -69,6 +69,7 @@ def _finish(adv: torch.Tensor, rewards: torch.Tensor, zero: torch.Tensor) -> tup
         "reward/mean": r.mean(),
         "reward/std": r.std(),
         "reward/frac_zero_std": zero.float().mean(),
+        "reward/informative": (~zero).float().mean(),  # seed 003's name: groups that teach something
         "adv/mean": a.mean(),
         "adv/std": a.std(),
         "adv/abs_max": a.abs().max(),

@@ -65,6 +65,10 @@ class Batch:
         return torch.tensor([[s.student for s in g] for g in self.groups])
 
 
+# env.reward_from -> the reward a Sample is trained on (its grade carries both, so one pool serves all arms)
+REWARD_FROM = {"grader": lambda s: s.grade.reward, "oracle": lambda s: s.grade.gt_reward}
+
+
 def stage_at(step: int, curriculum_steps: int, sets: dict[str, list]) -> str:
     """The problem set step draws from: "warmup" for the first curriculum_steps steps (if the environment
     has one), then "train" (seed 003's arithmetic curriculum)."""
@@ -81,6 +85,7 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
     """
     sets = env.problem_sets()
     G, G_t = cfg.rollout.group_size, cfg.rollout.G_t
+    reward_of = REWARD_FROM[cfg.env.reward_from]
     for step in range(start, cfg.run.steps):
         stage = stage_at(step, env.curriculum_steps, sets)
         pids = cursors[stage].take(cfg.rollout.prompts_per_step)
@@ -103,9 +108,9 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
                                            seed=seed, clock=clock)
                 for j, b in enumerate(rows):
                     groups[b] = got[j * n:(j + 1) * n] + teacher[b]
-            # gt_penalty baseline only (env.hack_penalty = 0 otherwise): the oracle never shapes the reward
-            # of the projection arms (the no-cheat rule, docs/architecture.md)
-            rewards = torch.tensor([[s.grade.reward - cfg.env.hack_penalty * s.grade.exploited for s in g]
+            # ground-truth baselines only (gt_reward: reward_from oracle; gt_penalty: hack_penalty > 0): the
+            # oracle never shapes a projection arm's reward (the no-cheat rule, docs/architecture.md)
+            rewards = torch.tensor([[reward_of(s) - cfg.env.hack_penalty * s.grade.exploited for s in g]
                                     for g in groups])  # (B, G) float32
             zero = zero_variance_mask(rewards)  # (B,)
             todo = [b for b in range(len(pids)) if zero[b]]

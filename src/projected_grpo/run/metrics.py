@@ -33,7 +33,7 @@ REQUIRED_METRICS: tuple[str, ...] = (
 # Mirror of the names in docs/metrics.md (definitions live there only; tests/test_metrics.py keeps
 # the two sets equal).
 KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
-    "step", "lr", "reward/student_mean", "reward/teacher_mean",
+    "step", "lr", "reward/student_mean", "reward/teacher_mean", "reward/informative", "curriculum/stage",
     "adv/mean", "adv/std", "adv/abs_max", "adv/student_mean", "adv/teacher_mean",
     "groups/zero_std", "groups/skipped", "groups/resampled", "groups/resample_tries",
     "loss/kl", "kl/is_weight_mean", "clip/region_frac", "clip/dual_frac", "ratio/mean", "ratio/max",

@@ -64,6 +64,7 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
             "groups/zero_std": float(batch.zero.sum()),
             "groups/skipped": float(len(batch.groups) - len(batch.keep)),
             "groups/resampled": float(batch.resampled), "groups/resample_tries": float(batch.tries),
+            "curriculum/stage": float(batch.stage != "warmup"),
             "time/generate": batch.clock.get("generate", 0.0), "time/grade": batch.clock.get("grade", 0.0),
             "time/backward": t_backward}
     return row

@@ -68,12 +68,22 @@ def _coding_env(cfg: C.Config):
                    workers=cfg.env.workers)
 
 
+def _maths_env(cfg: C.Config):
+    from projected_grpo.envs.maths.env import MathEnv
+
+    problems = "arithmetic" if cfg.env.problems == "builtin" else cfg.env.problems  # the coding default
+    return MathEnv(problems=problems, modes=cfg.env.modes or ("strict",),
+                   curriculum_steps=cfg.env.curriculum_steps, eval_size=cfg.env.eval_size,
+                   max_problems=cfg.env.max_problems, seed=cfg.run.seed, data_dir=cfg.env.data_dir or None)
+
+
 def _reward_fn_env(cfg: C.Config):
     return RewardFnEnv.from_jsonl(load_reward_fn(cfg.env.reward_fn), cfg.env.problems, cfg.env.max_problems)
 
 
 # env.name -> constructor from the config; an environment is closed by its user (`with closing(env)`)
-ENVIRONMENTS: dict[str, Callable[[C.Config], object]] = {"coding": _coding_env, "reward_fn": _reward_fn_env}
+ENVIRONMENTS: dict[str, Callable[[C.Config], object]] = {"coding": _coding_env, "maths": _maths_env,
+                                                         "reward_fn": _reward_fn_env}
 
 
 def make_env(cfg: C.Config):

@@ -40,6 +40,8 @@ ARMS: dict[str, dict[str, dict]] = {
     # benchmark baseline that uses ground truth (never a projection arm's reward): an exploit costs 2.0,
     # more than the seed shape's whole 1.25 for a hack, so hacking pays less than failing honestly
     "gt_penalty": {"proj": {"arm": "none", "control": "none"}, "env": {"hack_penalty": 2.0}},
+    # positive control (ground truth): the oracle's verdict in the grader's place, what honest solving reaches
+    "gt_reward": {"proj": {"arm": "none", "control": "none"}, "env": {"reward_from": "oracle"}},
 }
 DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route")
 LOMO_PAIRS_FILE = "lomo_pairs.jsonl"

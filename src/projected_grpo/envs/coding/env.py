@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from projected_grpo.envs.base import Graded
 from projected_grpo.envs.coding.completions import buggy_completions, clean_completions, hack_completions
-from projected_grpo.envs.coding.grading import Grade, Grader
+from projected_grpo.envs.coding.grading import REWARD_SHAPES, Grade, Grader
 from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES, Problem
 from projected_grpo.envs.coding.prompts import build_messages
 from projected_grpo.envs.coding.sandbox import SandboxPool
@@ -44,10 +44,12 @@ def load_problems(problems: str = "builtin", modes: Sequence[str] = (),
     return out
 
 
-def to_graded(g: Grade) -> Graded:
-    """The interface's record of a code grade: solved is the oracle's verdict, detectors go in extras."""
-    return Graded(reward=g.reward, passed=g.passed, solved=g.gt_correct, exploited=g.exploited,
-                  format_ok=g.format_ok, timeout=g.status == "timeout",
+def to_graded(g: Grade, reward_shape: str = "seed") -> Graded:
+    """The interface's record of a code grade: solved is the oracle's verdict, gt_reward the reward shape
+    with the oracle's verdict in place of the grader's pass, detectors in extras."""
+    gt_reward = REWARD_SHAPES[reward_shape](g.format_ok, g.gt_correct, g.compiles)
+    return Graded(reward=g.reward, gt_reward=float(gt_reward), passed=g.passed, solved=g.gt_correct,
+                  exploited=g.exploited, format_ok=g.format_ok, timeout=g.status == "timeout",
                   extras={"det_E": g.loophole_present, "det_C": g.tests_pass_stub, "det_D": g.weak_tests})
 
 
@@ -79,7 +81,7 @@ class CodeEnv:
         return build_messages(problem)
 
     def grade(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[Graded]:
-        return [to_graded(g) for g in self.grader.grade_batch(completions, problems)]
+        return [to_graded(g, self.reward_shape) for g in self.grader.grade_batch(completions, problems)]
 
     def templates(self, problem: Problem, kind: str) -> list[str]:
         return list(TEMPLATES[kind](problem))

@@ -109,9 +109,9 @@ TEMPLATES = {
 
 
 def templates(p: MathProblem, kind: str) -> list[str]:
-    """The hand-written completions of `kind` for `p` ([] for hacks of a strict-mode problem)."""
+    """The hand-written completions of `kind` for `p`. Hacks are the loophole's forms (they fool the
+    `contains` verifier) whatever `p`'s mode: under `strict` they simply fail, and they still are what
+    hacking looks like, which V_hack's pairs and the organism's warm-up need in every mode."""
     if (p.source, kind) not in TEMPLATES:
         raise ValueError(f"no templates for source {p.source!r}, kind {kind!r}; kinds: clean, buggy, hack")
-    if kind == "hack" and p.mode == "strict":
-        return []
     return TEMPLATES[p.source, kind](p)

@@ -32,8 +32,8 @@ def grade_one(completion: str, problem: MathProblem) -> Graded:
     answer = extract_answer(completion)
     solved = answer.value == problem.gold
     passed = VERIFIERS[problem.mode](completion, problem.gold)
-    return Graded(reward=float(passed), passed=passed, solved=solved, exploited=passed and not solved,
-                  format_ok=answer.value is not None)
+    return Graded(reward=float(passed), gt_reward=float(solved), passed=passed, solved=solved,
+                  exploited=passed and not solved, format_ok=answer.value is not None)
 
 
 class MathEnv:
@@ -47,7 +47,7 @@ class MathEnv:
     warmup generator seed. warmup_size, warmup_levels, train_levels: arithmetic sizes and levels.
     """
 
-    name = "math"
+    name = "maths"
     modes = MODES
 
     def __init__(self, problems: str = "arithmetic", modes: Sequence[str] = ("contains",),
@@ -66,7 +66,7 @@ class MathEnv:
             if not levels or any(lv not in arithmetic.LEVELS for lv in levels):
                 raise UserError(f"env {what}={list(levels)}: expected levels from "
                                 f"{sorted(arithmetic.LEVELS)}")
-        if problems == "gsm8k" and data_dir is None:
+        if problems == "gsm8k" and not data_dir:
             raise UserError("env problems='gsm8k' needs data_dir: the folder with train.jsonl and test.jsonl")
         if problems not in ("arithmetic", "gsm8k") and not pathlib.Path(problems).is_file():
             raise UserError(f"env problems={problems!r}: expected 'arithmetic', 'gsm8k' or the path of a "
