@@ -1,13 +1,14 @@
 """Per-source (student vs teacher) knob gradients from ONE backward pass.
 
 A knob's gradient is a sum over tokens of per-token terms (δS: (x·Vhᵀ) ⊙ (∂L/∂y·U); B: (∂L/∂y)ᵀ(x·Aᵀ)).
-While `Knobs.capture(is_student)` is open, each knob forward registers a tensor hook on its branch;
-during the backward the hook reduces those terms per sequence, (N, R), and adds the student rows to
-`g_student` and the teacher rows to `g_teacher`. So g_student + g_teacher = the knob's .grad from that
-backward, without the seed's second backward (`two_backward_split`, kept as the test oracle).
-Memory: the hook keeps a reference to h = x·Vhᵀ, which autograd saves anyway, until it fires.
-One backward per forward: a second backward through a retained graph raises. Not handled: gradient
-checkpointing (the recomputed forward would register hooks that never fire, and the capture raises).
+While `Knobs.capture(is_student)` is open, each knob forward with grad registers a watch, and the
+backward of its fused Function (fused.py) reduces those terms per sequence, (N, R), and hands them to
+the watch, which adds the student rows to `g_student` and the teacher rows to `g_teacher`. So
+g_student + g_teacher = the knob's .grad from that backward, without the seed's second backward
+(`two_backward_split`, kept as the test oracle). Nothing is kept alive between forward and backward
+but the watch itself. Works under gradient checkpointing: the reduction runs in the original graph
+node's backward, and a replayed forward registers no watch. One backward per forward: a second
+backward through a retained graph raises.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 
 
 class Capture:
@@ -45,23 +47,22 @@ class Capture:
             self._w[device] = (s, ~s)
         return self._w[device]
 
-    def watch(self, name: str, h: torch.Tensor, t: torch.Tensor,
-              per_sequence_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        """Called from a knob forward: when ∂L/∂t arrives, record per_sequence_grad(h, ∂L/∂t) (N, R)."""
+    def watch(self, name: str, lead_shape: tuple[int, ...]) -> Callable[[Tensor], None]:
+        """Called from a knob forward whose input has leading dims `lead_shape` (N, ...). Returns the
+        `record(per_seq)` its backward calls with that knob's gradient per sequence, (N, R) fp32."""
         N = self.is_student.shape[0]
-        if h.dim() < 2 or h.shape[0] != N:
-            raise ValueError(f"capture: module {name} saw input of shape {tuple(h.shape[:-1])} but "
+        if len(lead_shape) < 1 or lead_shape[0] != N:
+            raise ValueError(f"capture: module {name} saw input of shape {lead_shape} but "
                              f"is_student has N={N} rows; the batch dim must be the sequence dim")
-        w = {"name": name, "h": h, "fn": per_sequence_grad, "fired": 0}
-        w["handle"] = t.register_hook(lambda grad, w=w: self._record(w, grad))
+        w = {"name": name, "fired": 0}
         self._watches.append(w)
+        return lambda per_seq: self._record(w, per_seq)
 
-    def _record(self, w: dict, grad: torch.Tensor) -> None:
-        if w["h"] is None:
-            raise RuntimeError(f"capture: knob branch {w['name']} got a second backward through the same "
+    def _record(self, w: dict, per_seq: Tensor) -> None:
+        if w["fired"]:
+            raise RuntimeError(f"capture: knob {w['name']} got a second backward through the same "
                                "graph (retain_graph=True); capture supports one backward per forward")
-        per_seq = w["fn"](w["h"], grad)  # (N, R) fp32
-        w["h"] = None  # autograd frees its saved copy now too; keep no (N, T, R) tensor alive
+        w["fired"] += 1
         s, t = self._masks(per_seq.device)
         name = w["name"]
         # masked sums, not a 0/1-weighted matmul: 0 * NaN = NaN would leak one source's NaN into the other
@@ -70,17 +71,14 @@ class Capture:
         if self.want_per_sequence:
             p = self.per_sequence
             p[name] = p[name] + per_seq if name in p else per_seq
-        w["fired"] += 1
 
     def __enter__(self) -> Capture:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         unfired = [w["name"] for w in self._watches if w["fired"] == 0]
-        for w in self._watches:
-            w["handle"].remove()
         n_watched = len(self._watches)
-        self._watches = []  # drop the references to h
+        self._watches = []
         if exc_type is not None:
             return
         if n_watched == 0:
