@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from projected_grpo.knobs import checkpointing
+from projected_grpo.knobs import checkpointing, fused
 from projected_grpo.knobs.adapters import wrap
-from projected_grpo.knobs.fused import lora_knob_grad, svd_knob_grad
+from projected_grpo.knobs.fused import lora_knob_grad, svd_knob_grad, svd_knob_grad_dw
 from projected_grpo.knobs.reference import branch_path
 from projected_grpo.knobs.split import two_backward_split
 
@@ -29,14 +29,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
 
 
-def setup(kind, tmp_path, dtype=torch.float32, rank=None):
+def setup(kind, tmp_path, dtype=torch.float32, rank=None, t=9):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SMALL)).to(dtype).eval()
     knobs = wrap(model, kind, rank=rank, cache_dir=tmp_path)
     gen = torch.Generator().manual_seed(1)
     for p in knobs.parameters() + knobs.hack_parameters():  # away from zero: every term is exercised
         p.data = (torch.randn(p.shape, generator=gen) * 0.05).to(dtype)
-    x = torch.randint(0, 64, (N, 9), generator=gen)
+    x = torch.randint(0, 64, (N, t), generator=gen)
     adv = torch.randn(N, generator=gen, dtype=dtype)
     return model, knobs, x, adv
 
@@ -77,6 +77,31 @@ def test_lora_knob_grad_by_hand():
     A = torch.tensor([[1.0, 0.0]])
     assert lora_knob_grad(x, dy, A, per_sequence=True).tolist() == [[7.0, 16.0], [0.0, 4.0]]
     assert lora_knob_grad(x, dy, A, per_sequence=False).tolist() == [[7.0], [20.0]]
+
+
+def test_svd_knob_grad_dw_by_hand():
+    # the same example through G = Σ_t dy_tᵀ·x_t (the all-zero last token adds nothing):
+    # G = [[1·1 + 2·3 + 0·1, 1·2 + 0 + 0], [1·1 + 5·3 + 4·1, 1·2 + 0 + 4·1]] = [[7, 2], [20, 6]];
+    # U = Vh = I: ∂L/∂δS_i = G_ii -> [7, 6], as the thin projections give
+    x = torch.tensor([[[1.0, 2.0], [3.0, 0.0]], [[1.0, 1.0], [0.0, 0.0]]])
+    dy = torch.tensor([[[1.0, 1.0], [2.0, 5.0]], [[0.0, 4.0], [9.0, 9.0]]])
+    assert svd_knob_grad_dw(x, dy, torch.eye(2), torch.eye(2)).tolist() == [7.0, 6.0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(d_out=st.integers(1, 10), d_in=st.integers(1, 10), rank_frac=st.floats(0.01, 1.0),
+       n=st.integers(1, 4), t=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_svd_grad_routes_agree(d_out, d_in, rank_frac, n, t, seed):
+    # u_iᵀ·(Σ dyᵀx)·v_i == Σ_tokens (x·v_i)(dy·u_i) for any orthonormal U, Vh; fp64: to rounding
+    gen = torch.Generator().manual_seed(seed)
+    R = max(1, round(rank_frac * min(d_out, d_in)))
+    U, _, Vh = torch.linalg.svd(torch.randn(d_out, d_in, generator=gen, dtype=torch.float64),
+                                full_matrices=False)
+    U, Vh = U[:, :R], Vh[:R]
+    x = torch.randn(n, t, d_in, generator=gen, dtype=torch.float64)
+    dy = torch.randn(n, t, d_out, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(svd_knob_grad_dw(x, dy, U, Vh), svd_knob_grad(x, dy, U, Vh, False),
+                               rtol=1e-10, atol=1e-10)
 
 
 # --- one Linear: fused == branch for any shape and rank -----------------------------------------
@@ -120,10 +145,21 @@ def test_fused_linear_equals_branch(kind, d_out, d_in, rank_frac, n, t, bias, us
 
 # --- a whole model: fused == branch (fp32 to rounding, fp64 exactly); capture == two backwards ----
 
-@pytest.mark.parametrize("kind,rank", [("svd", None), ("svd", 4), ("lora", 4)])
-def test_model_grads_equal_branch(kind, rank, tmp_path):
-    model, knobs, x, adv = setup(kind, tmp_path, rank=rank)
-    g, cap = step(model, knobs, x, adv)
+def spy_dw(monkeypatch) -> list:
+    """Count the calls of the weight-gradient route of the svd knob gradient."""
+    calls, real = [], fused._project_dw  # the step both the total and the per-source variant take
+    monkeypatch.setattr(fused, "_project_dw", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+# 9 tokens: the thin projections; 40 tokens: full-rank svd goes through the weight gradient, per source
+@pytest.mark.parametrize("kind,rank,t", [("svd", None, 9), ("svd", None, 40), ("svd", 4, 40), ("lora", 4, 9)])
+def test_model_grads_equal_branch(kind, rank, t, tmp_path, monkeypatch):
+    model, knobs, x, adv = setup(kind, tmp_path, rank=rank, t=t)
+    dw = spy_dw(monkeypatch)
+    g, cap = step(model, knobs, x, adv, per_sequence=False)
+    assert (len(dw) > 0) == (kind == "svd" and rank is None and t == 40)
+    _, cap_seq = step(model, knobs, x, adv)  # per-sequence rows: always the thin projections
     with branch_path(knobs):
         g_r, cap_r = step(model, knobs, x, adv)
     flat = lambda d: torch.cat([d[n].reshape(-1) for n in sorted(d)])
@@ -131,16 +167,17 @@ def test_model_grads_equal_branch(kind, rank, tmp_path):
     # 3e-7 over all knobs, 1.6e-6 on the worst single module
     assert (flat(g) - flat(g_r)).norm() <= 1e-6 * flat(g_r).norm()
     assert max(rel(g[n], g_r[n]) for n in g) <= 5e-6
-    for field in ("g_student", "g_teacher", "per_sequence"):
-        a, b = getattr(cap, field), getattr(cap_r, field)
+    for c, field in ((cap, "g_student"), (cap, "g_teacher"), (cap_seq, "g_student"),
+                     (cap_seq, "per_sequence")):
+        a, b = getattr(c, field), getattr(cap_r, field)
         assert (flat(a) - flat(b)).norm() <= 1e-6 * flat(b).norm()
 
 
-@pytest.mark.parametrize("kind", ["svd", "lora"])
-def test_model_grads_equal_branch_in_fp64(kind, tmp_path):
+@pytest.mark.parametrize("kind,t", [("svd", 9), ("svd", 40), ("lora", 9)])
+def test_model_grads_equal_branch_in_fp64(kind, t, tmp_path):
     # in fp64 both paths are the same sums to ~1e-16: any difference in the math itself would show here
-    model, knobs, x, adv = setup(kind, tmp_path, dtype=torch.float64, rank=4 if kind == "lora" else None)
-    g, cap = step(model, knobs, x, adv)
+    model, knobs, x, adv = setup(kind, tmp_path, dtype=torch.float64, rank=4 if kind == "lora" else None, t=t)
+    g, cap = step(model, knobs, x, adv, per_sequence=False)
     with branch_path(knobs):
         g_r, _ = step(model, knobs, x, adv)
     assert max(rel(g[n], g_r[n]) for n in g) <= 1e-12
@@ -148,6 +185,20 @@ def test_model_grads_equal_branch_in_fp64(kind, tmp_path):
     g_s, g_t = two_backward_split(knobs, loss[STUDENT].sum(), loss[~STUDENT].sum())
     assert max(rel(cap.g_student[n], g_s[n]) for n in g) <= 1e-12
     assert max(rel(cap.g_teacher[n], g_t[n]) for n in g) <= 1e-12
+
+
+@pytest.mark.parametrize("mask", [[1] * N, [0] * N, [0, 1, 0, 0, 0, 0]])
+def test_weight_gradient_route_per_source_equals_two_backwards(mask, tmp_path, monkeypatch):
+    model, knobs, x, adv = setup("svd", tmp_path, t=40)
+    dw, is_student = spy_dw(monkeypatch), torch.tensor(mask, dtype=torch.bool)
+    with knobs.capture(is_student) as cap:
+        per_seq_loss(model, x, adv).sum().backward()
+    assert dw  # the route under test ran
+    loss = per_seq_loss(model, x, adv)
+    g_s, g_t = two_backward_split(knobs, loss[is_student].sum(), loss[~is_student].sum())
+    for n in g_s:
+        torch.testing.assert_close(cap.g_student[n], g_s[n], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(cap.g_teacher[n], g_t[n], rtol=1e-4, atol=1e-6)
 
 
 # --- the W_eff cache ----------------------------------------------------------------------------
@@ -215,9 +266,9 @@ def test_zero_knobs_merge_to_w_itself(tmp_path):
 
 # --- gradient checkpointing ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["svd", "lora"])
-def test_checkpointing_keeps_captured_grads(kind, tmp_path):
-    model, knobs, x, adv = setup(kind, tmp_path, rank=4 if kind == "lora" else None)
+@pytest.mark.parametrize("kind,t", [("svd", 9), ("svd", 40), ("lora", 9)])
+def test_checkpointing_keeps_captured_grads(kind, t, tmp_path):
+    model, knobs, x, adv = setup(kind, tmp_path, rank=4 if kind == "lora" else None, t=t)
     calls = []
     # a pre-hook: a replay stops early (after its last saved tensor), before the MLP returns
     model.model.layers[0].mlp.register_forward_pre_hook(lambda *a: calls.append(1))

@@ -13,8 +13,6 @@ backward through a retained graph raises.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import Tensor
 
@@ -38,8 +36,12 @@ class Capture:
         self.g_student: dict[str, torch.Tensor] = {}
         self.g_teacher: dict[str, torch.Tensor] = {}
         self.per_sequence: dict[str, torch.Tensor] = {}
-        self._watches: list[dict] = []
+        self._watches: list[Watch] = []
         self._w: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (student, teacher) masks
+        flags = is_student.tolist()
+        starts = [i for i in range(len(flags)) if i == 0 or flags[i] != flags[i - 1]]
+        # (start, stop, is_student) per run of consecutive rows from one source
+        self.runs = [(a, b, bool(flags[a])) for a, b in zip(starts, [*starts[1:], len(flags)])]
 
     def _masks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._w:
@@ -47,26 +49,19 @@ class Capture:
             self._w[device] = (s, ~s)
         return self._w[device]
 
-    def watch(self, name: str, lead_shape: tuple[int, ...]) -> Callable[[Tensor], None]:
-        """Called from a knob forward whose input has leading dims `lead_shape` (N, ...). Returns the
-        `record(per_seq)` its backward calls with that knob's gradient per sequence, (N, R) fp32."""
+    def watch(self, name: str, lead_shape: tuple[int, ...]) -> Watch:
+        """Called from a knob forward whose input has leading dims `lead_shape` (N, ...); its backward
+        hands the returned Watch that knob's gradient, per sequence or already summed per source."""
         N = self.is_student.shape[0]
         if len(lead_shape) < 1 or lead_shape[0] != N:
             raise ValueError(f"capture: module {name} saw input of shape {lead_shape} but "
                              f"is_student has N={N} rows; the batch dim must be the sequence dim")
-        w = {"name": name, "fired": 0}
+        w = Watch(self, name)
         self._watches.append(w)
-        return lambda per_seq: self._record(w, per_seq)
+        return w
 
-    def _record(self, w: dict, per_seq: Tensor) -> None:
-        if w["fired"]:
-            raise RuntimeError(f"capture: knob {w['name']} got a second backward through the same "
-                               "graph (retain_graph=True); capture supports one backward per forward")
-        w["fired"] += 1
-        s, t = self._masks(per_seq.device)
-        name = w["name"]
-        # masked sums, not a 0/1-weighted matmul: 0 * NaN = NaN would leak one source's NaN into the other
-        for d, x in ((self.g_student, per_seq[s].sum(0)), (self.g_teacher, per_seq[t].sum(0))):
+    def _add(self, name: str, g_s: Tensor, g_t: Tensor, per_seq: Tensor | None) -> None:
+        for d, x in ((self.g_student, g_s), (self.g_teacher, g_t)):
             d[name] = d[name] + x if name in d else x
         if self.want_per_sequence:
             p = self.per_sequence
@@ -76,7 +71,7 @@ class Capture:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        unfired = [w["name"] for w in self._watches if w["fired"] == 0]
+        unfired = [w.name for w in self._watches if not w.fired]
         n_watched = len(self._watches)
         self._watches = []
         if exc_type is not None:
@@ -97,6 +92,47 @@ class Capture:
             out.per_sequence = {n: torch.cat([self.per_sequence[n], other.per_sequence[n]])
                                 for n in self.per_sequence}
         return out
+
+
+class Watch:
+    """One knob forward's handle on its Capture, called from that forward's backward (fused.py).
+
+    per_sequence: the capture wants (N, R) rows, so the backward must produce them. Otherwise it may
+    hand per-source sums instead (`sources`), computed as it likes. n_student, n_teacher: row counts;
+    runs: (start, stop, is_student) of each run of consecutive rows from one source, in order.
+    """
+
+    def __init__(self, cap: Capture, name: str):
+        self.cap, self.name, self.fired = cap, name, False
+        self.per_sequence = cap.want_per_sequence
+        self.runs = cap.runs
+        self.n_student = sum(b - a for a, b, s in self.runs if s)
+        self.n_teacher = sum(b - a for a, b, s in self.runs if not s)
+
+    def masks(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(student, teacher) row masks (N,) bool on `device`."""
+        return self.cap._masks(device)
+
+    def _fire(self) -> None:
+        if self.fired:
+            raise RuntimeError(f"capture: knob {self.name} got a second backward through the same "
+                               "graph (retain_graph=True); capture supports one backward per forward")
+        self.fired = True
+
+    def __call__(self, per_seq: Tensor) -> None:
+        """Record the knob gradient per sequence, per_seq (N, R)."""
+        self._fire()
+        s, t = self.masks(per_seq.device)
+        # masked sums, not a 0/1-weighted matmul: 0 * NaN = NaN would leak one source's NaN into the other
+        self.cap._add(self.name, per_seq[s].sum(0), per_seq[t].sum(0), per_seq)
+
+    def sources(self, g_student: Tensor, g_teacher: Tensor) -> None:
+        """Record the knob gradient summed over the student rows and over the teacher rows, (R,) each."""
+        if self.per_sequence:
+            raise RuntimeError(f"capture: knob {self.name} recorded per-source sums, but the capture "
+                               "wants per-sequence rows")
+        self._fire()
+        self.cap._add(self.name, g_student.reshape(-1), g_teacher.reshape(-1), None)
 
 
 def two_backward_split(knobs, loss_student: torch.Tensor, loss_teacher: torch.Tensor
