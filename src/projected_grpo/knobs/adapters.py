@@ -5,16 +5,15 @@
   svd  : W = U·diag(S)·Vh (reduced, fp32, cached on disk); ΔW = U·diag(δS + δS_hack)·Vh.
   lora : frozen semi-orthonormal A (r×d_in) from a seeded QR; ΔW = (B + B_hack)·A.
 The forward is the plain layer's one matmul with W_eff = W + ΔW (summed in ≥ fp32, stored in W's
-dtype), merged once and cached until a knob value or flag changes; the knob gradient comes from thin
-projections in the backward (fused.py). Knobs are fp32 master values. `Knobs.zeroed()` uses W itself,
-so the forward *is* the base model's (bit-identical): the KL reference costs no second copy.
-δS_hack gets no gradient: it moves only by what the `route` arm sends it (gradient routing).
-bf16/fp16 W: W_eff is rounded to W's dtype, so an element of ΔW under half an ulp of W is lost. The
-pre-fusion side branch lost the same updates (rounding y + out); measured on a 256×256 bf16 layer,
-both realise the same share of a relative update ε (<1% / 5.5% / 49% / 100% at ε = 1e-5 / 1e-4 /
-1e-3 / 1e-2). Only an fp32 W_eff and matmul would realise it in expectation, at twice the weight
-memory and fp32 matmul speed, so it is not done. Memory: one cached W_eff per module with non-zero
-knobs (`Knobs.release()` drops them). Not done here: the per-source split (split.py), projection.
+dtype, cached until a knob value or flag changes); the knob gradient comes from the backward of a fused
+autograd Function (fused.py). Knobs are fp32 master values. `Knobs.zeroed()` uses W itself, so the
+forward *is* the base model's, bit for bit: the KL reference costs no second copy. δS_hack gets no
+gradient: it moves only by what the `route` arm sends it (gradient routing).
+bf16/fp16 W: an element of ΔW under half an ulp of W rounds away in W_eff. The pre-fusion side branch
+lost the same updates (rounding y + out): on a 256×256 bf16 layer both realise the same share of a
+relative update ε (benchmarks/bf16_merge.py); only an fp32 W_eff and matmul would keep it, at twice
+the weight memory and fp32 matmul speed, so it is not done. Memory: one cached W_eff per module with
+non-zero knobs (`Knobs.release()` drops them). Not here: the per-source split (split.py), projection.
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 Forward: y = x·W_effᵀ + b with W_eff = W + ΔW merged by the caller (adapters.KnobLinear caches it), so a
 knob forward costs what the plain model's does. Backward: ∂L/∂x = ∂L/∂y·W_eff, and the knob gradient
-from thin projections of the saved input, recomputed here rather than saved in the forward:
-  svd : ∂L/∂δS = Σ_tokens (x·Vhᵀ) ⊙ (∂L/∂y·U)          (R,)      ΔW = U·diag(δS)·Vh
-  lora: ∂L/∂B  = Σ_tokens (∂L/∂y)ᵀ·(x·Aᵀ)              (d_out, r) ΔW = B·A
-W, b, U, Vh, A get no gradient (frozen). With `record` given, the knob gradient is first reduced per
-sequence, (N, R) fp32, handed to `record` (the per-source split, split.py) and then summed: this runs
-in the backward of the original graph node, so it works under gradient checkpointing too.
+from the saved input (recomputed under checkpointing), never from an (N, T, R) forward intermediate:
+  svd : ∂L/∂δS = Σ_tokens (x·Vhᵀ) ⊙ (∂L/∂y·U)  (R,)       or diag(Uᵀ·G·Vhᵀ), G = Σ_tokens ∂L/∂yᵀ·x
+  lora: ∂L/∂B  = Σ_tokens (∂L/∂y)ᵀ·(x·Aᵀ)      (d_out, r)
+The svd knob takes the weight-gradient form when it costs fewer multiply-adds (full rank, many tokens).
+W, b, U, Vh, A get no gradient (frozen). With a capture's `record` (a split.Watch), the backward hands
+it the knob gradient per sequence (N, R), or per source; being the backward of the original graph
+node, this works under gradient checkpointing too.
 Not here: merging and caching W_eff, flags, capture bookkeeping (adapters.py, split.py).
 """
 
