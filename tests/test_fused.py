@@ -252,6 +252,19 @@ def test_w_eff_cache_sees_every_write(write, tmp_path):
         torch.testing.assert_close(model(x).logits, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_w_eff_merged_under_inference_mode_serves_a_later_grad_forward(tmp_path):
+    model, knobs, x, adv = setup("svd", tmp_path)
+    with torch.inference_mode():
+        model(x)  # merges W_eff inside inference mode
+    m = knobs.modules["model.layers.0.self_attn.q_proj"]
+    assert not m.weight_eff().is_inference() and not m.weight_eff().requires_grad
+    for p in knobs.parameters():  # frozen knobs: the plain F.linear path, whose backward saves W_eff
+        p.requires_grad_(False)
+    h = model.get_input_embeddings()(x).detach().requires_grad_(True)
+    model(inputs_embeds=h, use_cache=False).logits.sum().backward()
+    assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
 def test_zero_knobs_merge_to_w_itself(tmp_path):
     model = LlamaForCausalLM(LlamaConfig(**SMALL)).eval()
     knobs = wrap(model, "svd", cache_dir=tmp_path)

@@ -101,7 +101,8 @@ class KnobLinear(nn.Module, abc.ABC):
         if (e is not None and e[0] == self.use_hack and e[3] == key_w and torch.equal(e[1], self.delta)
                 and (not self.use_hack or torch.equal(e[2], self.delta_hack))):
             return e[4]
-        with torch.no_grad():
+        # a normal tensor even when first merged under inference_mode, so a later forward with grad can use it
+        with torch.inference_mode(False), torch.no_grad():  # this order: inference_mode(False) enables grad
             coef = self.delta + self.delta_hack if self.use_hack else self.delta
             W_eff = W if not coef.any() else (_wide(W) + self.delta_weight(coef).to(_wide(W))).to(W.dtype)
             self._eff = (self.use_hack, self.delta.detach().clone(),
