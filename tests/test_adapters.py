@@ -16,6 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from projected_grpo.knobs.adapters import wrap
+from projected_grpo.knobs.reference import branch_path
 from projected_grpo.knobs.svd_cache import SVD_FORMAT, _tensors_checksum, svd_cached
 from projected_grpo.store import weight_hash
 
@@ -298,20 +299,37 @@ def _logits(model, x, knobs, flags, merged):
 
 @pytest.mark.parametrize("kind", ["svd", "lora"])
 @pytest.mark.parametrize("flags", list(FLAGS))
-def test_merged_matches_knob_path(kind, flags, tmp_path, monkeypatch):
+def test_merged_matches_knob_path(kind, flags, tmp_path):
     model, x = tiny("qwen2"), ids()  # qwen2: q/k/v biases go through F.linear too
     knobs = wrap(model, kind, cache_dir=tmp_path)
     randomize(knobs)  # non-zero main and hack knobs
-    want = _logits(model, x, knobs, FLAGS[flags], merged=False)
-    cls = type(next(iter(knobs.modules.values())))
-    monkeypatch.setattr(cls, "branch", lambda *a: pytest.fail("side path ran inside merged()"))
+    with branch_path(knobs):
+        want = _logits(model, x, knobs, FLAGS[flags], merged=False)  # the side path (pre-fusion forward)
+    fused = _logits(model, x, knobs, FLAGS[flags], merged=False)
     got = _logits(model, x, knobs, FLAGS[flags], merged=True)
+    assert torch.equal(got, fused)  # the same W_eff inside merged() and out
     if "zeroed" in flags:
         assert torch.equal(got, want)  # nothing to merge: the base path, bit for bit
     else:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32 rounding of W + ΔW only
         base = _logits(model, x, knobs, ["zeroed"], merged=False)
         assert (got - want).abs().max() < 1e-3 * (want - base).abs().max()  # error << the knobs' own effect
+
+
+def test_merged_pins_w_eff_on_entry(tmp_path, monkeypatch):
+    model, x = tiny(), ids()
+    knobs = wrap(model, "svd", cache_dir=tmp_path)
+    randomize(knobs)
+    cls, calls = type(next(iter(knobs.modules.values()))), []
+    orig = cls.weight_eff
+    monkeypatch.setattr(cls, "weight_eff", lambda self: calls.append(self.name) or orig(self))
+    with torch.no_grad(), knobs.merged():
+        model(x)
+        model(x)  # decode steps: no cache lookup per forward
+    assert sorted(calls) == sorted(knobs.modules)  # once per module, on entry
+    with torch.no_grad():
+        model(x)
+    assert len(calls) == 2 * len(knobs.modules)  # outside merged() every forward checks its cache
 
 
 def test_merged_svd_hand_example(tmp_path):
@@ -323,15 +341,16 @@ def test_merged_svd_hand_example(tmp_path):
     m = knobs.modules["q_proj"]
     m.delta.data, m.delta_hack.data = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 0.5])
     x = torch.tensor([[1.0, 1.0]])
+    diag = torch.diag
     with torch.no_grad():
         with knobs.merged():
-            torch.testing.assert_close(m.merged[1], torch.diag(torch.tensor([4.0, 2.5])), atol=1e-6, rtol=0)
+            torch.testing.assert_close(m.weight_eff(), diag(torch.tensor([4.0, 2.5])), atol=1e-6, rtol=0)
             torch.testing.assert_close(knobs.model(x), torch.tensor([[4.0, 2.5]]), atol=1e-6, rtol=0)
         with knobs.ablate_quarantine(), knobs.merged():
-            torch.testing.assert_close(m.merged[1], torch.diag(torch.tensor([4.0, 2.0])), atol=1e-6, rtol=0)
+            torch.testing.assert_close(m.weight_eff(), diag(torch.tensor([4.0, 2.0])), atol=1e-6, rtol=0)
         with knobs.zeroed(), knobs.merged():
-            assert m.merged[1] is m.base.weight
-    assert m.merged is None
+            assert m.weight_eff() is m.base.weight
+    assert m._pinned is None
 
 
 @pytest.mark.parametrize("kind", ["svd", "lora"])
@@ -341,7 +360,7 @@ def test_merged_zero_knobs_use_base_path(kind, tmp_path):
         base = model(x).logits
     knobs = wrap(model, kind, cache_dir=tmp_path)  # knobs start exactly zero
     with torch.no_grad(), knobs.merged():
-        assert all(m.merged[1] is m.base.weight for m in knobs.modules.values())  # no extra weight copy
+        assert all(m.weight_eff() is m.base.weight for m in knobs.modules.values())  # no extra weight copy
         assert torch.equal(model(x).logits, base)
 
 
@@ -359,7 +378,7 @@ def test_merged_exit_restores_exactly(kind, tmp_path):
     with torch.no_grad():
         assert torch.equal(model(x).logits, before)  # the knob path again, bit for bit
     for n, m in knobs.modules.items():
-        assert m.merged is None  # W_eff released
+        assert m._pinned is None  # unpinned
         assert m.base.weight is weights[n] and torch.equal(m.base.weight, saved[n])  # W never written
     model(x).logits.sum().backward()  # training works again after exit
     assert all(p.grad is not None for p in knobs.parameters())
@@ -371,7 +390,7 @@ def test_merged_needs_no_grad(tmp_path):
     randomize(knobs)
     with pytest.raises(RuntimeError, match="no-grad inference only"), knobs.merged():
         pass
-    assert all(m.merged is None for m in knobs.modules.values())
+    assert all(m._pinned is None for m in knobs.modules.values())
     with torch.no_grad(), knobs.merged():
         with torch.enable_grad(), pytest.raises(RuntimeError, match="grad enabled inside Knobs.merged"):
             model(x)
@@ -387,7 +406,7 @@ def test_merged_restores_after_exception(tmp_path):
         before = model(x).logits
     with pytest.raises(KeyError), torch.no_grad(), knobs.merged():
         raise KeyError("boom")
-    assert all(m.merged is None for m in knobs.modules.values())
+    assert all(m._pinned is None for m in knobs.modules.values())
     with torch.no_grad():
         assert torch.equal(model(x).logits, before)
 

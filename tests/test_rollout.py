@@ -11,13 +11,17 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from projected_grpo.run.rollout import (
     SAMPLERS,
+    Rollout,
     SeqBatch,
+    _accepts_logits_to_keep,
+    _left_pad,
     encode_completion,
     encode_prompt,
     forward_logprobs,
     generate,
     pack,
     pad_right,
+    position_ids_from_mask,
     step_seed,
 )
 
@@ -196,6 +200,63 @@ def test_behaviour_logp_matches_scoring_forward(model):
     with torch.no_grad():
         logp, _ = forward_logprobs(model, batch, temperature=0.7)
     torch.testing.assert_close(logp, pad_right(out.logp, batch.T), atol=1e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def generate_before(model, prompt_ids, n_samples, *, max_new_tokens, temperature=1.0, top_p=1.0, seed,
+                    eos_id, pad_id):
+    """generate's decode loop before the preallocated KV cache and mask (commit e500c43), verbatim but for
+    the argument checks: the oracle that pins the sampled stream (same ids, same log-probs, bit for bit)."""
+    pick = SAMPLERS["greedy" if temperature == 0 else "sample"]
+    device = next(model.parameters()).device
+    eos = torch.as_tensor(eos_id, dtype=torch.long, device=device).reshape(-1)
+    rows = [list(p) for p in prompt_ids for _ in range(n_samples)]
+    N = len(rows)
+    ids, mask = _left_pad(rows, max(len(r) for r in rows), pad_id)
+    pos = position_ids_from_mask(mask)
+    gen = torch.Generator(device=device).manual_seed(int(seed))
+    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+    toks = torch.full((N, max_new_tokens), pad_id, dtype=torch.long)
+    logps = torch.zeros((N, max_new_tokens), dtype=torch.float32)
+    lens = torch.full((N,), max_new_tokens, dtype=torch.long)
+    done = torch.zeros(N, dtype=torch.bool)
+    cache, cur = None, ids
+    for t in range(max_new_tokens):
+        out = model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True, **keep)
+        cache = out.past_key_values
+        tok, lp = pick(out.logits[:, -1].float(), temperature, top_p, gen)
+        tok = tok.masked_fill(done, pad_id)
+        toks[:, t], logps[:, t] = tok, lp
+        hit = ~done & torch.isin(tok, eos)
+        lens[hit] = t + 1
+        done |= hit
+        if bool(done.all()):
+            break
+        cur = tok[:, None]
+        mask = torch.cat([mask, torch.ones((N, 1), dtype=mask.dtype)], 1)
+        pos = pos[:, -1:] + 1
+    return Rollout(prompt_ids=rows, completion_ids=[toks[i, :lens[i]].tolist() for i in range(N)],
+                   logp=[logps[i, :lens[i]].clone() for i in range(N)], truncated=~done)
+
+
+@pytest.mark.parametrize("kv_cache", ["preallocated", "dynamic"])
+@pytest.mark.parametrize("setting", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.8),
+                                     dict(temperature=0), dict(temperature=1.5, eos_id=[EOS, 7, 8])])
+def test_generate_keeps_the_sampled_stream_of_the_previous_loop(model, kv_cache, setting):
+    kw = {"max_new_tokens": 12, "seed": 21, "eos_id": EOS, "pad_id": PAD, **setting}
+    want = generate_before(model, PROMPTS, 5, **kw)
+    got = generate(model, PROMPTS, 5, kv_cache=kv_cache, **kw)
+    assert got.completion_ids == want.completion_ids
+    assert all(torch.equal(a, b) for a, b in zip(got.logp, want.logp))  # bit for bit, not just close
+    assert torch.equal(got.truncated, want.truncated) and got.prompt_ids == want.prompt_ids
+    if "eos_id" in setting:  # rows stop at different steps: the cache and mask views are exercised
+        assert len({len(c) for c in got.completion_ids}) > 1
+
+
+def test_generate_rejects_unknown_kv_cache(model):
+    with pytest.raises(ValueError, match="unknown kv_cache 'static'"):
+        generate(model, PROMPTS, 1, max_new_tokens=2, seed=0, eos_id=EOS, pad_id=PAD, kv_cache="static")
 
 
 # --- scoring -----------------------------------------------------------------------------------

@@ -2,14 +2,18 @@
 
 `wrap(model, kind)` replaces each target `nn.Linear` (matched by module-name suffix) with a
 `KnobLinear` holding a trainable knob `delta` and a quarantine knob `delta_hack` of the same shape:
-  svd  : W = U·diag(S)·Vh (reduced, fp32, cached on disk); forward adds ((x·Vhᵀ) ⊙ (δS + δS_hack))·Uᵀ.
-  lora : frozen semi-orthonormal A (r×d_in) from a seeded QR; forward adds (x·Aᵀ)·(B + B_hack)ᵀ.
-W is never rebuilt in the forward. Knobs are fp32 master values cast to the activation dtype.
-`Knobs.zeroed()` skips every knob branch, so the forward *is* the base model's (bit-identical): the
-KL reference costs no second copy. `Knobs.merged()` (no-grad sampling) folds the knobs into a
-separate W_eff per Linear, so generation costs what the plain model's does. δS_hack is detached in the
-forward: it moves only by what the `route` arm sends it (gradient routing), never by its own gradient.
-Not done here: the per-source gradient split (split.py) and projection (projection.py).
+  svd  : W = U·diag(S)·Vh (reduced, fp32, cached on disk); ΔW = U·diag(δS + δS_hack)·Vh.
+  lora : frozen semi-orthonormal A (r×d_in) from a seeded QR; ΔW = (B + B_hack)·A.
+The forward is the plain layer's one matmul with W_eff = W + ΔW (summed in ≥ fp32, stored in W's
+dtype, cached until a knob value or flag changes); the knob gradient comes from the backward of a fused
+autograd Function (fused.py). Knobs are fp32 master values. `Knobs.zeroed()` uses W itself, so the
+forward *is* the base model's, bit for bit: the KL reference costs no second copy. δS_hack gets no
+gradient: it moves only by what the `route` arm sends it (gradient routing).
+bf16/fp16 W: an element of ΔW under half an ulp of W rounds away in W_eff. The pre-fusion side branch
+lost the same updates (rounding y + out): on a 256×256 bf16 layer both realise the same share of a
+relative update ε (benchmarks/bf16_merge.py); only an fp32 W_eff and matmul would keep it, at twice
+the weight memory and fp32 matmul speed, so it is not done. Memory: one cached W_eff per module with
+non-zero knobs (`Knobs.release()` drops them). Not here: the per-source split (split.py), projection.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from projected_grpo.knobs import split
+from projected_grpo.knobs import checkpointing, fused, split
 from projected_grpo.knobs.svd_cache import svd_cached
 from projected_grpo.store import atomic_dir, load_tensors, save_tensors, weight_hash
 
@@ -41,10 +45,16 @@ DEFAULT_LORA_RANK = 16
 KNOB_FORMAT = "knobs-v1"
 
 
+def _wide(W: torch.Tensor) -> torch.Tensor:
+    """W in at least fp32 (fp64 stays fp64): the precision W + ΔW is summed in before the cast back."""
+    return W.to(torch.promote_types(W.dtype, torch.float32))
+
+
 class KnobLinear(nn.Module, abc.ABC):
-    """A frozen `nn.Linear` plus knob branch; subclasses define the branch. Shapes: x (..., d_in)."""
+    """A frozen `nn.Linear` plus knob; subclasses define ΔW and the fused Function. Shapes: x (..., d_in)."""
 
     kind = ""
+    fn: type[torch.autograd.Function]  # the fused autograd Function of this kind (fused.py)
 
     def __init__(self, base: nn.Linear, name: str, knob_shape: tuple[int, ...]):
         super().__init__()
@@ -55,51 +65,64 @@ class KnobLinear(nn.Module, abc.ABC):
         self.knob_dim = self.delta.numel()
         self.use_main, self.use_hack = True, True
         self.capture: split.Capture | None = None
-        # set by Knobs.merged(): ((use_main, use_hack) at merge time, W_eff; W itself when nothing is added)
-        self.merged: tuple[tuple[bool, bool], torch.Tensor] | None = None
+        # W_eff cache: (use_hack, delta, delta_hack or None, W identity + version, W_eff) of the last merge
+        self._eff: tuple | None = None
+        # set by Knobs.merged(): ((use_main, use_hack), W_eff) pinned for sampling (no cache check per token)
+        self._pinned: tuple[tuple[bool, bool], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # merged path only while the flags still match the merge (a zeroed() nested inside falls through)
-        if self.merged is not None and self.merged[0] == (self.use_main, self.use_hack):
-            if torch.is_grad_enabled():
-                raise RuntimeError(f"{self.name}: forward with grad enabled inside Knobs.merged(); the "
-                                   "merged weight gives the knobs no gradient. Train outside merged()")
-            return F.linear(x, self.merged[1], self.base.bias)  # what nn.Linear's forward does, with W_eff
-        y = self.base(x)
-        if not self.use_main:  # zeroed(): exactly the base model, no add at all
-            return y
-        coef = self.delta + self.delta_hack.detach() if self.use_hack else self.delta
-        out, watched, h = self.branch(x, coef.to(x.dtype))
-        if self.capture is not None and watched.requires_grad:
-            self.capture.watch(self.name, h, watched, self.per_sequence_grad)
-        return y + out
+        if not self.use_main:  # zeroed(): exactly the base model
+            return self.base(x)
+        grad = torch.is_grad_enabled()
+        if self._pinned is not None and self._pinned[0] == (True, self.use_hack):  # inside merged()
+            if grad:
+                raise RuntimeError(f"{self.name}: forward with grad enabled inside Knobs.merged(), which is "
+                                   "for no-grad sampling only. Train outside merged()")
+            return F.linear(x, self._pinned[1], self.base.bias)
+        W_eff = self.weight_eff()
+        if not (grad and self.delta.requires_grad):
+            return F.linear(x, W_eff, self.base.bias)  # what nn.Linear's forward does, with W_eff
+        record = None
+        if self.capture is not None and not checkpointing.recomputing():  # a replay registers nothing
+            record = self.capture.watch(self.name, tuple(x.shape[:-1]))
+        return self.fn.apply(x, self.delta, W_eff, self.base.bias, record, *self.frozen())
 
-    def merge(self) -> None:
-        """Fold what the forward would add now (flags respected) into W_eff = W + ΔW (d_out, d_in): fp32
-        math, W's dtype, a new tensor (W untouched). Exactly-zero knobs (or zeroed()) merge to W itself:
-        no copy, the base model bit for bit."""
-        coef = (self.delta + self.delta_hack if self.use_hack else self.delta) if self.use_main else None
+    def weight_eff(self) -> torch.Tensor:
+        """W_eff (d_out, d_in) = W + ΔW for the current knob values and flags, in W's dtype: W itself when
+        nothing is added (zeroed(), or knobs exactly zero), else a merge cached until a value or flag changes.
+
+        The cache compares the knob *values* (R-sized) with those of the last merge, not `_version`:
+        writes through `.data` (Knobs.values() views, Knobs.load, a resume) bypass the version counter."""
         W = self.base.weight
-        W_eff = W if coef is None or not coef.any() else (W.float() + self.delta_weight(coef)).to(W.dtype)
-        self.merged = ((self.use_main, self.use_hack), W_eff)
+        if not self.use_main:
+            return W
+        key_w = (W.data_ptr(), W._version)
+        e = self._eff
+        if (e is not None and e[0] == self.use_hack and e[3] == key_w and torch.equal(e[1], self.delta)
+                and (not self.use_hack or torch.equal(e[2], self.delta_hack))):
+            return e[4]
+        # a normal tensor even when first merged under inference_mode, so a later forward with grad can use it
+        with torch.inference_mode(False), torch.no_grad():  # this order: inference_mode(False) enables grad
+            coef = self.delta + self.delta_hack if self.use_hack else self.delta
+            W_eff = W if not coef.any() else (_wide(W) + self.delta_weight(coef).to(_wide(W))).to(W.dtype)
+            self._eff = (self.use_hack, self.delta.detach().clone(),
+                         self.delta_hack.detach().clone() if self.use_hack else None, key_w, W_eff)
+        return W_eff
 
     @abc.abstractmethod
-    def branch(self, x: torch.Tensor, coef: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (..., d_in), coef (knob shape) -> out (..., d_out), the tensor to hook, its features h."""
-
-    @abc.abstractmethod
-    def per_sequence_grad(self, h: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        """h, grad of the hooked tensor (N, T, ·) -> this knob's gradient per sequence (N, R) fp32."""
+    def frozen(self) -> tuple[torch.Tensor, ...]:
+        """The frozen tensors its Function takes after `record` (svd: U, Vh; lora: A)."""
 
     @abc.abstractmethod
     def delta_weight(self, coef: torch.Tensor) -> torch.Tensor:
-        """coef (knob shape) -> ΔW (d_out, d_in) fp32 that the branch adds (for export)."""
+        """coef (knob shape) -> ΔW (d_out, d_in) in fp32, or fp64 for an fp64 W (merge and export)."""
 
 
 class SVDKnob(KnobLinear):
     """delta = δS (R,), R = rank or min(d_out, d_in); U (d_out, R), Vh (R, d_in) buffers in W's dtype."""
 
     kind = "svd"
+    fn = fused.SVDLinear
 
     def __init__(self, base, name, rank, cache_dir, seed):
         R_full = min(base.weight.shape)
@@ -112,23 +135,19 @@ class SVDKnob(KnobLinear):
         self.register_buffer("U", U[:, :R].to(device=w.device, dtype=w.dtype).contiguous())
         self.register_buffer("Vh", Vh[:R].to(device=w.device, dtype=w.dtype).contiguous())
 
-    def branch(self, x, coef):
-        h = x @ self.Vh.T  # (..., R)
-        m = h * coef  # (..., R); its grad is ∂L/∂y·U, the per-token factor of ∂L/∂δS
-        return m @ self.U.T, m, h
-
-    def per_sequence_grad(self, h, grad):
-        # ∂L/∂δS = Σ_tokens (x·Vhᵀ) ⊙ (∂L/∂y·U), summed per sequence -> (N, R)
-        return (h.float() * grad.float()).reshape(h.shape[0], -1, h.shape[-1]).sum(1)
+    def frozen(self):
+        return self.U, self.Vh
 
     def delta_weight(self, coef):
-        return (self.U.float() * coef.float()) @ self.Vh.float()  # U·diag(δS)·Vh
+        U, Vh = _wide(self.U), _wide(self.Vh)
+        return (U * coef.to(U)) @ Vh  # U·diag(δS)·Vh
 
 
 class LoRAKnob(KnobLinear):
     """delta = B (d_out, r), R = d_out·r (row-major); A (r, d_in) frozen, rows orthonormal."""
 
     kind = "lora"
+    fn = fused.LoRALinear
 
     def __init__(self, base, name, rank, cache_dir, seed):
         r = DEFAULT_LORA_RANK if rank is None else rank
@@ -142,20 +161,12 @@ class LoRAKnob(KnobLinear):
         self.register_buffer("A", Q.T.to(device=base.weight.device, dtype=base.weight.dtype).contiguous())
         self.cache_status = "none"
 
-    def branch(self, x, coef):
-        h = x @ self.A.T  # (..., r)
-        out = h @ coef.T  # (..., d_out); its grad is ∂L/∂y
-        return out, out, h
-
-    def per_sequence_grad(self, h, grad):
-        # ∂L/∂B = Σ_tokens (∂L/∂y)ᵀ(x·Aᵀ), per sequence -> (N, d_out·r)
-        N = h.shape[0]
-        g = torch.einsum("nto,ntr->nor", grad.float().reshape(N, -1, grad.shape[-1]),
-                         h.float().reshape(N, -1, h.shape[-1]))
-        return g.reshape(N, -1)
+    def frozen(self):
+        return (self.A,)
 
     def delta_weight(self, coef):
-        return coef.float() @ self.A.float()  # B·A
+        A = _wide(self.A)
+        return coef.to(A) @ A  # B·A
 
 
 KINDS: dict[str, type[KnobLinear]] = {"svd": SVDKnob, "lora": LoRAKnob}
@@ -277,29 +288,36 @@ class Knobs:
 
     @contextlib.contextmanager
     def merged(self) -> Iterator[Knobs]:
-        """Context for no-grad inference (sampling): each wrapped Linear runs F.linear(x, W_eff, bias) with
-        W_eff = W + U·diag(δS[+δS_hack])·Vh (svd) or W + (B[+B_hack])·A (lora), merged on entry from the
-        knob values and zeroed()/ablate_quarantine() flags of that moment, instead of its side path.
+        """Context for no-grad inference (sampling): every wrapped Linear's W_eff (see module docstring) is
+        merged on entry from the knob values and zeroed()/ablate_quarantine() flags of that moment and pinned,
+        so a decode step runs the plain model's F.linear with no per-forward cache check.
 
-        Outputs equal the unmerged forward up to float rounding of W + ΔW in W's dtype (fp32: ~1e-7
-        relative; bf16: an element of ΔW under half an ulp of W rounds away, an error of the same size
-        as the bf16 knob path's own rounding of y + out). Memory: one extra copy of
-        the wrapped weights while inside, freed on exit; knobs that are exactly zero use the base path (no
-        copy, bit-identical). Exit (also on an exception) restores the knob path exactly; W is never
-        written. Knob values changed inside are not seen; a forward with grad enabled inside raises.
+        The forward outside merged() uses the same W_eff, so outputs are the same inside and out; knob
+        values changed inside are not seen; a nested zeroed() or ablate_quarantine() is honoured. W is
+        never written; exit (also on an exception) unpins. A forward with grad enabled inside raises.
         """
         if torch.is_grad_enabled():
-            raise RuntimeError("Knobs.merged() is for no-grad inference only (the merged weight gives the "
-                               "knobs no gradient): enter it inside torch.no_grad() (or inference_mode)")
-        if any(m.merged is not None for m in self.modules.values()):
+            raise RuntimeError("Knobs.merged() is for no-grad inference only (the pinned weight takes no "
+                               "knob update): enter it inside torch.no_grad() (or inference_mode)")
+        if any(m._pinned is not None for m in self.modules.values()):
             raise RuntimeError("Knobs.merged() is already active; nest it at most once")
         try:
             for m in self.modules.values():
-                m.merge()
+                m._pinned = ((m.use_main, m.use_hack), m.weight_eff())
             yield self
         finally:
             for m in self.modules.values():
-                m.merged = None
+                m._pinned = None
+
+    def release(self) -> None:
+        """Drop every cached W_eff (one copy of the wrapped weights); the next forward merges again."""
+        for m in self.modules.values():
+            m._eff = None
+
+    def gradient_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each decoder layer's activations in the backward instead of keeping them
+        (checkpointing.py); per-source and per-sequence capture work the same. Off: enable=False."""
+        checkpointing.enable(self.model, enable)
 
     @contextlib.contextmanager
     def capture(self, is_student: torch.Tensor, per_sequence: bool = False) -> Iterator[split.Capture]:
@@ -354,21 +372,22 @@ class Knobs:
         out = pathlib.Path(out_dir)
         if out.exists() and any(out.iterdir()):
             raise FileExistsError(f"export target {out} is not empty; choose a new directory")
-        caps = {n: m.capture for n, m in self.modules.items()}
+        # never deep-copy an active capture or the W_eff caches (a copy of the weights each)
+        saved = {n: (m.capture, m._eff, m._pinned) for n, m in self.modules.items()}
         for m in self.modules.values():
-            m.capture = None  # never deep-copy an active capture
+            m.capture = m._eff = m._pinned = None
         try:
             plain = copy.deepcopy(self.model)
         finally:
             for n, m in self.modules.items():
-                m.capture = caps[n]
+                m.capture, m._eff, m._pinned = saved[n]
         with torch.no_grad():
             for n in self.modules:
                 parent, attr = _parent(plain, n)
                 km = getattr(parent, attr)
                 coef = km.delta + km.delta_hack if include_quarantine else km.delta
                 W = km.base.weight
-                W.copy_((W.float() + km.delta_weight(coef)).to(W.dtype))
+                W.copy_((_wide(W) + km.delta_weight(coef).to(_wide(W))).to(W.dtype))
                 setattr(parent, attr, km.base)
         for p in plain.parameters():
             p.requires_grad_(True)

@@ -1,20 +1,20 @@
 """Per-source (student vs teacher) knob gradients from ONE backward pass.
 
 A knob's gradient is a sum over tokens of per-token terms (δS: (x·Vhᵀ) ⊙ (∂L/∂y·U); B: (∂L/∂y)ᵀ(x·Aᵀ)).
-While `Knobs.capture(is_student)` is open, each knob forward registers a tensor hook on its branch;
-during the backward the hook reduces those terms per sequence, (N, R), and adds the student rows to
-`g_student` and the teacher rows to `g_teacher`. So g_student + g_teacher = the knob's .grad from that
-backward, without the seed's second backward (`two_backward_split`, kept as the test oracle).
-Memory: the hook keeps a reference to h = x·Vhᵀ, which autograd saves anyway, until it fires.
-One backward per forward: a second backward through a retained graph raises. Not handled: gradient
-checkpointing (the recomputed forward would register hooks that never fire, and the capture raises).
+While `Knobs.capture(is_student)` is open, each knob forward with grad registers a watch, and the
+backward of its fused Function (fused.py) reduces those terms per sequence, (N, R), and hands them to
+the watch, which adds the student rows to `g_student` and the teacher rows to `g_teacher`. So
+g_student + g_teacher = the knob's .grad from that backward, without the seed's second backward
+(`two_backward_split`, kept as the test oracle). Nothing is kept alive between forward and backward
+but the watch itself. Works under gradient checkpointing: the reduction runs in the original graph
+node's backward, and a replayed forward registers no watch. One backward per forward: a second
+backward through a retained graph raises.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+from torch import Tensor
 
 
 class Capture:
@@ -36,8 +36,12 @@ class Capture:
         self.g_student: dict[str, torch.Tensor] = {}
         self.g_teacher: dict[str, torch.Tensor] = {}
         self.per_sequence: dict[str, torch.Tensor] = {}
-        self._watches: list[dict] = []
+        self._watches: list[Watch] = []
         self._w: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (student, teacher) masks
+        flags = is_student.tolist()
+        starts = [i for i in range(len(flags)) if i == 0 or flags[i] != flags[i - 1]]
+        # (start, stop, is_student) per run of consecutive rows from one source
+        self.runs = [(a, b, bool(flags[a])) for a, b in zip(starts, [*starts[1:], len(flags)])]
 
     def _masks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._w:
@@ -45,42 +49,31 @@ class Capture:
             self._w[device] = (s, ~s)
         return self._w[device]
 
-    def watch(self, name: str, h: torch.Tensor, t: torch.Tensor,
-              per_sequence_grad: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        """Called from a knob forward: when ∂L/∂t arrives, record per_sequence_grad(h, ∂L/∂t) (N, R)."""
+    def watch(self, name: str, lead_shape: tuple[int, ...]) -> Watch:
+        """Called from a knob forward whose input has leading dims `lead_shape` (N, ...); its backward
+        hands the returned Watch that knob's gradient, per sequence or already summed per source."""
         N = self.is_student.shape[0]
-        if h.dim() < 2 or h.shape[0] != N:
-            raise ValueError(f"capture: module {name} saw input of shape {tuple(h.shape[:-1])} but "
+        if len(lead_shape) < 1 or lead_shape[0] != N:
+            raise ValueError(f"capture: module {name} saw input of shape {lead_shape} but "
                              f"is_student has N={N} rows; the batch dim must be the sequence dim")
-        w = {"name": name, "h": h, "fn": per_sequence_grad, "fired": 0}
-        w["handle"] = t.register_hook(lambda grad, w=w: self._record(w, grad))
+        w = Watch(self, name)
         self._watches.append(w)
+        return w
 
-    def _record(self, w: dict, grad: torch.Tensor) -> None:
-        if w["h"] is None:
-            raise RuntimeError(f"capture: knob branch {w['name']} got a second backward through the same "
-                               "graph (retain_graph=True); capture supports one backward per forward")
-        per_seq = w["fn"](w["h"], grad)  # (N, R) fp32
-        w["h"] = None  # autograd frees its saved copy now too; keep no (N, T, R) tensor alive
-        s, t = self._masks(per_seq.device)
-        name = w["name"]
-        # masked sums, not a 0/1-weighted matmul: 0 * NaN = NaN would leak one source's NaN into the other
-        for d, x in ((self.g_student, per_seq[s].sum(0)), (self.g_teacher, per_seq[t].sum(0))):
+    def _add(self, name: str, g_s: Tensor, g_t: Tensor, per_seq: Tensor | None) -> None:
+        for d, x in ((self.g_student, g_s), (self.g_teacher, g_t)):
             d[name] = d[name] + x if name in d else x
         if self.want_per_sequence:
             p = self.per_sequence
             p[name] = p[name] + per_seq if name in p else per_seq
-        w["fired"] += 1
 
     def __enter__(self) -> Capture:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        unfired = [w["name"] for w in self._watches if w["fired"] == 0]
-        for w in self._watches:
-            w["handle"].remove()
+        unfired = [w.name for w in self._watches if not w.fired]
         n_watched = len(self._watches)
-        self._watches = []  # drop the references to h
+        self._watches = []
         if exc_type is not None:
             return
         if n_watched == 0:
@@ -101,6 +94,47 @@ class Capture:
             out.per_sequence = {n: torch.cat([self.per_sequence[n], other.per_sequence[n]])
                                 for n in self.per_sequence}
         return out
+
+
+class Watch:
+    """One knob forward's handle on its Capture, called from that forward's backward (fused.py).
+
+    per_sequence: the capture wants (N, R) rows, so the backward must produce them. Otherwise it may
+    hand per-source sums instead (`sources`), computed as it likes. n_student, n_teacher: row counts;
+    runs: (start, stop, is_student) of each run of consecutive rows from one source, in order.
+    """
+
+    def __init__(self, cap: Capture, name: str):
+        self.cap, self.name, self.fired = cap, name, False
+        self.per_sequence = cap.want_per_sequence
+        self.runs = cap.runs
+        self.n_student = sum(b - a for a, b, s in self.runs if s)
+        self.n_teacher = sum(b - a for a, b, s in self.runs if not s)
+
+    def masks(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(student, teacher) row masks (N,) bool on `device`."""
+        return self.cap._masks(device)
+
+    def _fire(self) -> None:
+        if self.fired:
+            raise RuntimeError(f"capture: knob {self.name} got a second backward through the same "
+                               "graph (retain_graph=True); capture supports one backward per forward")
+        self.fired = True
+
+    def __call__(self, per_seq: Tensor) -> None:
+        """Record the knob gradient per sequence, per_seq (N, R)."""
+        self._fire()
+        s, t = self.masks(per_seq.device)
+        # masked sums, not a 0/1-weighted matmul: 0 * NaN = NaN would leak one source's NaN into the other
+        self.cap._add(self.name, per_seq[s].sum(0), per_seq[t].sum(0), per_seq)
+
+    def sources(self, g_student: Tensor, g_teacher: Tensor) -> None:
+        """Record the knob gradient summed over the student rows and over the teacher rows, (R,) each."""
+        if self.per_sequence:
+            raise RuntimeError(f"capture: knob {self.name} recorded per-source sums, but the capture "
+                               "wants per-sequence rows")
+        self._fire()
+        self.cap._add(self.name, g_student.reshape(-1), g_teacher.reshape(-1), None)
 
 
 def two_backward_split(knobs, loss_student: torch.Tensor, loss_teacher: torch.Tensor

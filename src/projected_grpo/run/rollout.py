@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from projected_grpo.envs.base import Graded
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
@@ -212,6 +213,51 @@ SAMPLERS: dict[str, Callable[[Tensor, float, float, torch.Generator], tuple[Tens
 }
 
 
+class _GrowingLayer(DynamicLayer):
+    """A full-attention KV-cache layer that writes into a buffer sized for the whole decode and returns views
+    of its filled part: the same keys and values as transformers' DynamicLayer, bit for bit, without its
+    torch.cat per step (a copy of the whole cache each token: O(L²) traffic). transformers' StaticCache
+    avoids the copies too but attends over the full buffer length under a mask, which rounds differently
+    (the sampled stream would change) and was no faster on CPU (measured: 1.25 s vs 1.24 s dynamic, 1.07 s
+    this, 16 rows x 128 tokens on the 4.5M-parameter bench Llama)."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:  # (B, H, L, D) each; value head dim may differ from the key's
+            self.lazy_initialization(key_states, value_states)
+            B, H, _, D_k = key_states.shape
+            self._k = key_states.new_empty((B, H, self.capacity, D_k))
+            self._v = value_states.new_empty((B, value_states.shape[1], self.capacity, value_states.shape[3]))
+            self._n = 0
+        n = self._n + key_states.shape[-2]
+        if n > self.capacity:
+            raise RuntimeError(f"KV cache: {n} positions exceed the {self.capacity} preallocated")
+        self._k[:, :, self._n:n], self._v[:, :, self._n:n] = key_states, value_states
+        self._n, self.keys, self.values = n, self._k[:, :, :n], self._v[:, :, :n]
+        return self.keys, self.values
+
+
+def _preallocated_cache(model, capacity: int) -> DynamicCache | None:
+    """transformers' DynamicCache for `model` with its plain full-attention layers swapped for _GrowingLayer
+    (sliding-window, linear-attention and other layer kinds are kept as they are). A model without a
+    transformers config gets None: it builds its own cache."""
+    if getattr(model, "config", None) is None:
+        return None
+    cache = DynamicCache(config=model.config)
+    cache.layers = [_GrowingLayer(capacity) if type(layer) is DynamicLayer else layer
+                    for layer in cache.layers]
+    return cache
+
+
+# name -> fn(model, capacity) -> past_key_values of the first decode step (None: the model builds its own)
+KV_CACHES: dict[str, Callable[[object, int], DynamicCache | None]] = {
+    "preallocated": _preallocated_cache, "dynamic": lambda model, capacity: None,
+}
+
+
 def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -219,7 +265,7 @@ def _accepts_logits_to_keep(model) -> bool:
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, seed: int, eos_id: int | Sequence[int],
-             pad_id: int) -> Rollout:
+             pad_id: int, kv_cache: str = "preallocated") -> Rollout:
     """Sample n_samples completions for every prompt in ONE batched KV-cache decode.
 
     Prompts are left-padded with an attention mask and explicit position ids, so a row's logits do
@@ -229,7 +275,10 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     `seed` on the model's device (the global torch RNG is untouched), so the same seed gives the
     same ids on CPU. Call with the model in eval mode (dropout would otherwise perturb sampling).
     Own loop rather than HF `generate`: it takes a Generator, returns the exact sampling log-probs,
-    and stays cheap for tiny models. Returns a Rollout with N = len(prompt_ids) * n_samples rows.
+    and stays cheap for tiny models. kv_cache: "preallocated" (default; the KV cache and attention mask
+    are sized once for prompt + max_new_tokens) or "dynamic" (transformers' own DynamicCache, for a model
+    whose cache the preallocated one does not fit); both give the same ids and log-probs, bit for bit.
+    Returns a Rollout with N = len(prompt_ids) * n_samples rows.
     """
     if n_samples < 1 or max_new_tokens < 1:
         raise ValueError(f"generate: n_samples ({n_samples}) and max_new_tokens ({max_new_tokens}) "
@@ -242,14 +291,19 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     if eos_id is None or pad_id is None:
         raise ValueError(f"generate: eos_id={eos_id}, pad_id={pad_id}; pass the tokenizer's eos_token_id "
                          "(or [] to never stop early) and a pad id (set tokenizer.pad_token, e.g. to eos)")
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"generate: unknown kv_cache {kv_cache!r}; choose one of {sorted(KV_CACHES)}")
     pick = SAMPLERS["greedy" if temperature == 0 else "sample"]
     device = next(model.parameters()).device
     eos = torch.as_tensor(eos_id, dtype=torch.long, device=device).reshape(-1)  # int or list -> (E,)
     rows = [list(p) for p in prompt_ids for _ in range(n_samples)]  # prompt-major: row b * n_samples + g
     N = len(rows)
-    ids, mask = _left_pad(rows, max(len(r) for r in rows), pad_id)
-    ids, mask = ids.to(device), mask.to(device)
-    pos = position_ids_from_mask(mask)
+    P = max(len(r) for r in rows)
+    ids, prompt_mask = _left_pad(rows, P, pad_id)
+    # the attention mask of every step, preallocated: step t feeds one token and attends to P + t columns
+    mask = torch.cat([prompt_mask, torch.ones((N, max_new_tokens), dtype=torch.long)], 1).to(device)
+    ids = ids.to(device)
+    pos = position_ids_from_mask(mask[:, :P])
     gen = torch.Generator(device=device).manual_seed(int(seed))
     keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
 
@@ -257,9 +311,9 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=device)
     lens = torch.full((N,), max_new_tokens, dtype=torch.long, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
-    cache, cur = None, ids
+    cache, cur = KV_CACHES[kv_cache](model, P + max_new_tokens), ids
     for t in range(max_new_tokens):
-        out = model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=cache,
+        out = model(input_ids=cur, attention_mask=mask[:, :P + t], position_ids=pos, past_key_values=cache,
                     use_cache=True, **keep)
         cache = out.past_key_values
         tok, lp = pick(out.logits[:, -1].float(), temperature, top_p, gen)
@@ -271,7 +325,6 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
         if bool(done.all()):
             break
         cur = tok[:, None]
-        mask = torch.cat([mask, torch.ones((N, 1), dtype=mask.dtype, device=device)], 1)
         pos = pos[:, -1:] + 1
 
     toks, logps, lens = toks.cpu(), logps.cpu(), lens.cpu()
