@@ -51,7 +51,9 @@ def test_spec_section_4_keys_are_documented():
         pytest.skip(f"{SPEC} not present")
     section = SPEC.read_text(encoding="utf-8").split("## 4.")[1].split("\n## ")[0]
     spec_keys = set(re.findall(r"`([a-z_]+/[a-z_]+)`", section))
-    assert spec_keys == set(REQUIRED_METRICS)
+    # the one exception, by design (issue 18): kl/mean needs the reference forward, skipped at beta 0, so
+    # it is logged whenever loss.beta > 0 rather than on every row
+    assert spec_keys == set(REQUIRED_METRICS) | {"kl/mean"} and "kl/mean" in KNOWN_METRICS
 
 
 def test_undocumented():

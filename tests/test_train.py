@@ -97,9 +97,9 @@ def runs(tmp_path_factory):
     out = {}
     for arm, teacher in (("erase", "imitation"), ("none", "exclude"), ("route", "importance")):
         cfg = small(root, arm, proj={"arm": arm}, loss={"teacher": teacher})
-        if teacher == "importance":  # also: deploy-eval every step, V refresh at step 1
-            cfg = C.replace(cfg, pool={"path": str(behaviour_pool(root, cfg))}, loss={"is_trunc": 1.5},
-                            run={"eval_every": 1}, proj={"refresh_every": 2})
+        if teacher == "importance":  # also: deploy-eval every step, V refresh at step 1, a KL term
+            cfg = C.replace(cfg, pool={"path": str(behaviour_pool(root, cfg))}, loss={"is_trunc": 1.5,
+                            "beta": 0.04}, run={"eval_every": 1}, proj={"refresh_every": 2})
         with pytest.MonkeyPatch.context() as mp:
             spy = Spy(mp)
             summary = T.train(cfg)
@@ -121,10 +121,29 @@ def test_smoke_writes_run_dir_and_finite_metrics(runs):
     assert json.loads((d / "summary.json").read_text())["arm"] == "erase" and "sample" in summary
 
 
-def test_kl_is_zero_at_step_zero(runs):
+def test_kl_is_zero_at_step_zero_and_absent_at_beta_zero(runs):
     # knobs start at zero, so the policy IS the reference (knobs zeroed): k3 = expm1(0) - 0 = 0 exactly
-    for _, rows, _, _ in runs.values():
-        assert rows[0]["kl/mean"] == 0.0
+    assert runs["route"][1][0]["kl/mean"] == 0.0 and runs["route"][1][1]["kl/mean"] > 0.0
+    # beta 0: the KL term has no weight, so no reference forward runs and no kl/* is logged
+    for arm in ("erase", "none"):
+        assert not any(k.startswith("kl/") for r in runs[arm][1] for k in r)
+
+
+def test_no_reference_forward_at_beta_zero_and_the_same_knobs(runs, tmp_path, monkeypatch):
+    calls = []
+    real = T.forward_logprobs
+    monkeypatch.setattr(T, "forward_logprobs", lambda *a, **k: calls.append(torch.is_grad_enabled())
+                        or real(*a, **k))
+    cfg = C.replace(runs["erase"][0], run={"steps": 1, "dir": str(tmp_path / "b0")})
+    T.train(cfg)
+    assert calls == [True]  # one micro-batch: the training forward only
+    calls.clear()
+    T.train(C.replace(cfg, loss={"beta": 1e-12}, run={"dir": str(tmp_path / "b1")}))
+    assert calls == [False, True]  # the reference, then the training forward
+    k0 = load_file(tmp_path / "b0/ckpt-000001/knobs.safetensors")
+    k1 = load_file(tmp_path / "b1/ckpt-000001/knobs.safetensors")
+    # at step 0 the policy is the reference, so KL's gradient is 0 too: the same update either way
+    assert all(torch.equal(k0[k], k1[k]) for k in k0)
 
 
 def test_knobs_move_and_base_weights_do_not(runs):

@@ -59,6 +59,9 @@ class ModelCfg:
     lora uses r = rank (default 16)"""
     cache_dir: str = ""
     """cache directory for SVDs, the organism and V_hack (empty = the user cache)"""
+    grad_checkpointing: bool = False
+    """recompute each decoder layer's activations in the backward (knobs/checkpointing.py): much less
+    activation memory for ~20% more compute; per-source gradient capture is unaffected"""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -199,7 +202,7 @@ class LossCfg:
     kl: Literal["k1", "k2", "k3", "k3_ratio"] = "k3"
     """KL estimator to the reference (knobs zeroed), losses.KL_ESTIMATORS[name]"""
     beta: float = 0.0
-    """KL coefficient (kl/mean is measured against the reference at any beta)"""
+    """KL coefficient; at 0 the reference forward is skipped and kl/* is not logged"""
     eps_low: float = 0.2
     """PPO clip: ratio floor 1 - eps_low"""
     eps_high: float = 0.2

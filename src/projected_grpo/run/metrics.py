@@ -23,7 +23,7 @@ SUMMARY_FILE = "summary.json"
 # Every training row carries at least these keys (the original design's list, docs/metrics.md).
 REQUIRED_METRICS: tuple[str, ...] = (
     "reward/mean", "reward/std", "reward/frac_zero_std", "hack/student", "hack/teacher",
-    "solve/student", "solve/teacher", "loss/policy", "kl/mean", "entropy/mean",
+    "solve/student", "solve/teacher", "loss/policy", "entropy/mean",
     "clip/low_frac", "clip/high_frac", "grad/norm", "proj/cin_student", "proj/cin_teacher",
     "proj/cin", "proj/cout", "proj/cout_update", "proj/fired_frac", "knob/hack_norm",
     "completion/mean_len", "completion/clipped_frac", "sandbox/timeout_frac", "time/generate",
@@ -33,7 +33,8 @@ REQUIRED_METRICS: tuple[str, ...] = (
 # Mirror of the names in docs/metrics.md (definitions live there only; tests/test_metrics.py keeps
 # the two sets equal).
 KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
-    "step", "lr", "reward/student_mean", "reward/teacher_mean", "reward/informative", "curriculum/stage",
+    "step", "lr", "kl/mean", "reward/student_mean", "reward/teacher_mean", "reward/informative",
+    "curriculum/stage",
     "adv/mean", "adv/std", "adv/abs_max", "adv/student_mean", "adv/teacher_mean",
     "groups/zero_std", "groups/skipped", "groups/resampled", "groups/resample_tries",
     "loss/kl", "kl/is_weight_mean", "clip/region_frac", "clip/dual_frac", "ratio/mean", "ratio/max",

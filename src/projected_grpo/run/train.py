@@ -91,6 +91,8 @@ def train(cfg: C.Config) -> dict:
     # --- model, knobs, environment, prompts (run/setup.py) ---
     model, tok = setup.load_model(cfg)
     knobs = setup.wrap_knobs(cfg, model)
+    if cfg.model.grad_checkpointing:  # recompute decoder activations in the backward; capture still works
+        knobs.gradient_checkpointing(True)
     with contextlib.closing(setup.make_env(cfg)) as env:
         sets = env.problem_sets()
         problems = {p.id: p for ps in sets.values() for p in ps}
@@ -174,8 +176,9 @@ def train(cfg: C.Config) -> dict:
                 mask = seqs.completion_mask  # (N, T)
                 mb_student = torch.tensor([s.student for s in mb], device=mask.device)  # (N,)
                 logp_b = pad_right([s.logp_behaviour or [] for s in mb], seqs.T).to(mask.device)  # (N, T)
-                with torch.no_grad(), knobs.zeroed():  # the free reference: zero knobs = the base model
-                    logp_ref, _ = forward_logprobs(model, seqs, temperature=cfg.rollout.temperature)
+                if cfg.loss.beta > 0:  # at beta 0 the KL term has no weight: no reference forward at all
+                    with torch.no_grad(), knobs.zeroed():  # the free reference: zero knobs = the base model
+                        logp_ref, _ = forward_logprobs(model, seqs, temperature=cfg.rollout.temperature)
                 with knobs.capture(mb_student) as cap:  # per-source knob grads from this one backward
                     logp, entropy = forward_logprobs(model, seqs, temperature=cfg.rollout.temperature,
                                                      with_entropy=True)  # (N, T) each
@@ -184,7 +187,8 @@ def train(cfg: C.Config) -> dict:
                     # one optimizer step per generation: students' ratio is exactly 1 (clip inert for them)
                     pg_tok, clip_stats = clip_surrogate(logp, logp_old, mb_adv.to(mask.device), mask,
                                                         eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high)
-                    kl_tok, kl_stats = KL_ESTIMATORS[cfg.loss.kl](logp, logp_ref, mask, logp_old=logp_old)
+                    kl_tok, kl_stats = (KL_ESTIMATORS[cfg.loss.kl](logp, logp_ref, mask, logp_old=logp_old)
+                                        if cfg.loss.beta > 0 else (torch.zeros_like(logp), {}))
                     bad = (~torch.isfinite(weight * (pg_tok + kl_tok)) & mask.bool()).any(1)  # (N,)
                     if bad.any():
                         raise FloatingPointError(f"step {step}: non-finite token loss in a "
