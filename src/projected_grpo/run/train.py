@@ -64,10 +64,12 @@ def load_model(mcfg: C.ModelCfg, seed: int, tokenizer_only: bool = False):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         if not mcfg.path:
             raise ValueError("config: model.source='hf' needs model.path (pass --model PATH)")
+        from projected_grpo.models import resolve_model
+        path = resolve_model(mcfg.path, mcfg.cache_dir or None)  # a name (smollm2) or a local directory
         gguf = {"gguf_file": mcfg.gguf_file} if mcfg.gguf_file else {}
-        tok = AutoTokenizer.from_pretrained(mcfg.path, **gguf)
+        tok = AutoTokenizer.from_pretrained(path, **gguf)
         model = None if tokenizer_only else AutoModelForCausalLM.from_pretrained(
-            mcfg.path, dtype=getattr(torch, mcfg.dtype), **gguf)
+            path, dtype=getattr(torch, mcfg.dtype), **gguf)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # generation and pack need a pad id; pad positions are masked out
     return (None if model is None else model.to(mcfg.device).eval()), tok
