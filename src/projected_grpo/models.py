@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Annotated
 
 import tyro
 
@@ -136,7 +137,7 @@ def get_model(name: str, cache_dir: str | os.PathLike | None = None, install: bo
 
 @dataclass(frozen=True)
 class GetModelOpts:
-    name: tyro.conf.Positional[str]
+    name: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="NAME")]
     """model name (SOURCES in projected_grpo/models.py)"""
     cache_dir: str = ""
     """cache root (empty = $PROJECTED_GRPO_CACHE or ~/.cache/projected_grpo); the model goes to models/NAME"""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pathlib
 import sys
 from dataclasses import dataclass
+from typing import Annotated
 
 import tyro
 
@@ -103,11 +104,11 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: i
 class ExportOpts:
     """Merge a run's main knob into its base model and write a plain Hugging Face model directory."""
 
-    run_dir: tyro.conf.Positional[str]
-    """run directory (holds config.json and ckpt-*/)"""
-    out_dir: tyro.conf.Positional[str]
+    run_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="RUN_DIR")]
+    """run directory (holds ckpt-*/, each with the config it was trained under)"""
+    out_dir: Annotated[str, tyro.conf.Positional, tyro.conf.arg(metavar="OUT_DIR")]
     """output directory (must not exist or be empty)"""
-    step: int | None = None
+    step: Annotated[int | None, tyro.conf.arg(metavar="N")] = None
     """checkpoint step to export (default: the latest)"""
     device: str = "cpu"
     """torch device for the merge (the weights keep the run's dtype)"""
