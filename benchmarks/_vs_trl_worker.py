@@ -72,7 +72,7 @@ def run_ours(spec: dict) -> dict:
     adv = {"dr_grpo": "dr_grpo", "grpo": "grpo"}[spec["loss"]]  # TRL pairs dr_grpo with scale_rewards=none
     cfg = C.Config(
         model=C.ModelCfg(source="hf", path=spec["model_dir"], cache_dir=spec["cache_dir"], knob=spec["knob"],
-                         rank=spec["rank"]),
+                         rank=spec["rank"], grad_checkpointing=spec["ckpt"]),
         env=C.EnvCfg(name="reward_fn", reward_fn="_vs_trl_worker:reward",
                      problems=str(write_prompts(pathlib.Path(spec["tmp"]) / f"prompts-{os.getpid()}.jsonl"))),
         rollout=C.RolloutCfg(prompts_per_step=spec["B"], group_size=spec["G"], mix=0.0,

@@ -166,7 +166,7 @@ definitions (where they can differ):
 
 def build_model(model_dir: pathlib.Path, hidden: int, layers: int) -> int:
     """Tiny Llama-style LM + the built-in-corpus BPE tokenizer, saved as a HF directory; returns #params."""
-    from projected_grpo.organism import build_tokenizer, tiny_model
+    from projected_grpo.organism.build import build_tokenizer, tiny_model
     from projected_grpo.organism.warmup import builtin_corpus
 
     tok = build_tokenizer(builtin_corpus().texts(), vocab_size=1024)
@@ -229,6 +229,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--knob", default="svd", choices=["svd", "lora"], help="our knob adapter")
     ap.add_argument("--rank", type=int, default=0, help="our knob rank (0: svd full, lora 16)")
+    ap.add_argument("--ckpt", type=int, default=1, help="our gradient checkpointing (TRL's default is on)")
     ap.add_argument("--losses", default="dr_grpo,grpo")
     ap.add_argument("--betas", default="0,0.04")
     opt = ap.parse_args()
@@ -247,7 +248,8 @@ def main() -> None:
         n_params = build_model(tmp / "model", opt.hidden, opt.layers)
         base = {"model_dir": str(tmp / "model"), "cache_dir": str(tmp / "cache"), "tmp": str(tmp),
                 "B": opt.prompts, "G": opt.group, "max_new": opt.max_new, "lr": opt.lr, "steps": opt.steps,
-                "seed": 0, "threads": opt.threads, "knob": opt.knob, "rank": opt.rank}
+                "seed": 0, "threads": opt.threads, "knob": opt.knob, "rank": opt.rank,
+                "ckpt": bool(opt.ckpt)}
         cells = [(lo, float(b)) for lo in opt.losses.split(",") for b in opt.betas.split(",")]
         print(f"\n== timing: {n_params / 1e6:.2f}M-param Llama (hidden {opt.hidden}, {opt.layers} layers), "
               f"B={opt.prompts} G={opt.group} max_new={opt.max_new} lr={opt.lr}, {opt.steps} steps x "

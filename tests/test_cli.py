@@ -44,7 +44,7 @@ def bad_files(tmp_path):
     (["train", "--pool.path", "{d}/missing.jsonl"], r"missing.jsonl: no such file"),
     (["train", "--proj.pairs", "{d}/pairs.jsonl"], r"pairs.jsonl:1: missing field\(s\) \['clean'\]"),
     (["train", "--config", "{d}/missing.json"], r"missing.json: no such config file"),
-    (["train", "--model", "{d}/no-model"], r"model.path=.* is not a directory"),
+    (["train", "--model", "{d}/no-model"], r"is neither a local directory nor a known name"),
     (["check-grader", "--dataset", "{d}/missing.jsonl"], r"missing.jsonl: no such file"),
     (["check-grader", "--dataset", "{d}/garbage.jsonl"], r"garbage.jsonl:1: invalid JSON"),
     (["check-grader", "--dataset", "{d}/ds.jsonl"], r"ds.jsonl:1: field 'id' is missing"),

@@ -15,12 +15,12 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "projected_grpo"
 BASE = {"store", "errors"}
 ALLOWED: dict[str, set[str]] = {
     "store": {"errors"}, "errors": set(), "config": {"errors", "configio"}, "configio": {"errors"},
-    "presets": {"config", "errors"},
+    "presets": {"config", "errors"}, "models": BASE,
     "objective": {"objective"},
     "knobs": {"knobs", "objective"} | BASE,
     "envs": {"envs"} | BASE,
     "hack": {"hack", "knobs", "objective", "run.rollout", "envs.base", "presets"} | BASE,
-    "run": {"run", "hack", "knobs", "objective", "envs", "organism", "config", "presets"} | BASE,
+    "run": {"run", "hack", "knobs", "objective", "envs", "organism", "config", "presets", "models"} | BASE,
     "organism": {"organism", "run.rollout", "run.schedule", "envs", "objective"} | BASE,
     "study": {"study", "run", "envs", "hack", "config", "presets"} | BASE,
     "cli": {"errors"},

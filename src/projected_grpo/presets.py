@@ -1,9 +1,10 @@
 """Named presets (configs, not code paths) and every command's argv -> (Config, options).
 
 smoke: seconds on a CPU. demo: the embedded organism, calibrated (issue 7). fast / full: the original
-study's Qwen3-4B settings (model from --model). `parse` reads a command line in two tyro passes: the
-command's options (a dataclass extending `Base`: --preset, --config, --model, ...), then every Config field
-as `--section.field VALUE` on top of the chosen preset.
+study's Qwen3-4B settings (model from --model). smollm2-cpu / smollm2-gpu: SmolLM2-135M-Instruct
+(`--model smollm2` after `projected-grpo get-model smollm2`). `parse` reads a command line in two tyro
+passes: the command's options (a dataclass extending `Base`: --preset, --config, --model, ...), then
+every Config field as `--section.field VALUE` on top of the chosen preset.
 """
 
 from __future__ import annotations
@@ -68,7 +69,34 @@ FULL = Config(
     run=RunCfg(steps=200, checkpoint_every=25),
 )
 
-PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "fast": FAST, "full": FULL}
+# SmolLM2-135M-Instruct (`projected-grpo get-model smollm2`; its ChatML template formats every prompt) on
+# the code loophole environment. CPU: a smoke of the mechanics on a real model, one problem per loophole
+# mode, one group of 3 students + 1 teacher row per step. Measured on 2 shared cores, 1 thread (issue 19):
+# 18.1 / 19.1 / 19.8 s per step (generate ~8.5 s, forward+backward ~10.5 s), 70 s wall for 3 steps with
+# the SVD and V_hack caches warm, peak RSS 4.5 GB. First use adds ~22 s of SVDs (210 modules) and ~40 s
+# of V_hack extraction (6 pairs, peak RSS 8.6 GB). Two prompts per step took 37-46 s per step.
+SMOLLM2_CPU = Config(
+    model=ModelCfg(source="hf", path="smollm2"),
+    env=EnvCfg(max_problems=6),
+    rollout=RolloutCfg(prompts_per_step=1, group_size=4, mix=0.25, max_new_tokens=96),
+    pool=PoolCfg(n_hack=1, n_clean=1),
+    proj=ProjCfg(pairs_per_problem=1),
+    run=RunCfg(steps=3, checkpoint_every=3),
+)
+
+# GPU: all 48 built-in problems, FAST's group shape and optimiser (uncalibrated for SmolLM2: a starting
+# point), float32 (135M parameters: 0.5 GB; knobs and weights in one dtype, exact merges).
+# Step time not measured yet (no GPU here).
+SMOLLM2_GPU = Config(
+    model=ModelCfg(source="hf", path="smollm2", device="cuda"),
+    rollout=RolloutCfg(prompts_per_step=8, group_size=8, mix=0.125, max_new_tokens=256),
+    pool=PoolCfg(n_hack=2, n_clean=2),
+    optim=OptimCfg(lr=3e-3, betas=(0.5, 0.9), warmup_steps=3),
+    run=RunCfg(steps=60, checkpoint_every=20, threads=0),
+)
+
+PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "fast": FAST, "full": FULL,
+                              "smollm2-cpu": SMOLLM2_CPU, "smollm2-gpu": SMOLLM2_GPU}
 
 
 # --- argv: every command -------------------------------------------------------------------------------

@@ -47,14 +47,16 @@ def load_model(cfg: C.Config, tokenizer_only: bool = False):
         model, tok, _ = organism.load_organism(path)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from projected_grpo.models import resolve_model
+
         if not cfg.model.path:
-            raise UserError("config: model.source='hf' needs model.path (pass --model PATH)")
-        if not pathlib.Path(cfg.model.path).is_dir():
-            raise UserError(f"config: model.path={cfg.model.path!r} is not a directory")
+            raise UserError("config: model.source='hf' needs model.path (pass --model PATH or a name)")
+        path = resolve_model(cfg.model.path, cfg.model.cache_dir or None)  # a name (smollm2) or a directory
         gguf = {"gguf_file": cfg.model.gguf_file} if cfg.model.gguf_file else {}
-        tok = AutoTokenizer.from_pretrained(cfg.model.path, **gguf)
+        tok = AutoTokenizer.from_pretrained(path, **gguf)
         model = None if tokenizer_only else AutoModelForCausalLM.from_pretrained(
-            cfg.model.path, dtype=getattr(torch, cfg.model.dtype), **gguf)
+            path, dtype=getattr(torch, cfg.model.dtype), **gguf)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return (None if model is None else model.to(cfg.model.device).eval()), tok
