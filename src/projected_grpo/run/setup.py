@@ -155,9 +155,12 @@ def extract_settings(cfg: C.Config) -> direction.ExtractSettings:
 
 
 def v_pairs(cfg: C.Config, env, problems: Sequence) -> list[pairs.Pair]:
-    """V_hack's contrastive pairs: cfg.proj.pairs, else the environment's templates of `problems`."""
+    """V_hack's contrastive pairs: cfg.proj.pairs, else the environment's templates of `problems` ([] when
+    no problem has both a hack and a clean template, e.g. a plain reward callable's prompts)."""
     if cfg.proj.pairs:
         return pairs.load_pairs_file(cfg.proj.pairs)
+    if not any(env.templates(p, "hack") and env.templates(p, "clean") for p in problems):
+        return []
     return pairs.builtin_pairs(env, problems, cfg.proj.pairs_per_problem)
 
 
@@ -173,7 +176,12 @@ def resolve_v_hack(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequen
     """(V_hack post-processed for use (name -> (K, R)), status line): the cached direction, extracted on a
     miss (slow on a real model: a line says so first)."""
     settings = extract_settings(cfg)
-    pair_list = v_pairs(cfg, env, problems)
+    pair_list = [] if cfg.proj.v_path else v_pairs(cfg, env, problems)
+    if not pair_list and not cfg.proj.v_path:
+        if cfg.proj.arm != "none":
+            raise UserError(f"proj.arm={cfg.proj.arm!r} needs V_hack, but environment {env.name!r} has no "
+                            "hack and clean templates to pair: give --proj.pairs FILE or --proj.v-path FILE")
+        return {}, "V_hack: none (no pairs in this environment; arm none measures nothing, proj/* read 0)"
     path = v_hack_path(cfg, knobs, tokenizer, pair_list, settings)
     if not path.exists():
         _log(f"V_hack: extracting from {len(pair_list)} pairs into {path} (first use of these inputs)")
