@@ -212,14 +212,24 @@ SAMPLERS: dict[str, Callable[[Tensor, float, float, torch.Generator], tuple[Tens
 }
 
 
+def _draw(pick, logits: Tensor, temperature: float, top_p: float,
+          gens: Sequence[torch.Generator]) -> tuple[Tensor, Tensor]:
+    """pick's (token (N,), logp (N,)) over logits (N, V): from one Generator, or from one per prompt (the N
+    rows split evenly over gens, prompt-major), so a prompt's draws ignore the rows batched with it."""
+    if len(gens) == 1:
+        return pick(logits, temperature, top_p, gens[0])
+    parts = [pick(rows, temperature, top_p, g) for rows, g in zip(logits.chunk(len(gens)), gens)]
+    return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
+
+
 def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int, eos_id: int | Sequence[int],
-             pad_id: int) -> Rollout:
+             temperature: float = 1.0, top_p: float = 1.0, seed: int | Sequence[int],
+             eos_id: int | Sequence[int], pad_id: int) -> Rollout:
     """Sample n_samples completions for every prompt in ONE batched KV-cache decode.
 
     Prompts are left-padded with an attention mask and explicit position ids, so a row's logits do
@@ -227,7 +237,9 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     Each row stops at its first EOS (any id in `eos_id`).
     temperature 0 means greedy. Randomness comes only from a private torch.Generator seeded with
     `seed` on the model's device (the global torch RNG is untouched), so the same seed gives the
-    same ids on CPU. Call with the model in eval mode (dropout would otherwise perturb sampling).
+    same ids on CPU. `seed` may be a list, one per prompt: each prompt's rows then draw from a Generator of
+    their own, so its samples are the same whatever it is batched with (rollout.seed_scope = "prompt").
+    Call with the model in eval mode (dropout would otherwise perturb sampling).
     Own loop rather than HF `generate`: it takes a Generator, returns the exact sampling log-probs,
     and stays cheap for tiny models. Returns a Rollout with N = len(prompt_ids) * n_samples rows.
     """
@@ -250,7 +262,11 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     ids, mask = _left_pad(rows, max(len(r) for r in rows), pad_id)
     ids, mask = ids.to(device), mask.to(device)
     pos = position_ids_from_mask(mask)
-    gen = torch.Generator(device=device).manual_seed(int(seed))
+    seeds = [int(s) for s in seed] if isinstance(seed, Sequence) else [int(seed)]
+    if len(seeds) not in (1, len(prompt_ids)):
+        raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts; give one, or one per "
+                         "prompt")
+    gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
     keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
 
     toks = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -262,7 +278,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
         out = model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=cache,
                     use_cache=True, **keep)
         cache = out.past_key_values
-        tok, lp = pick(out.logits[:, -1].float(), temperature, top_p, gen)
+        tok, lp = _draw(pick, out.logits[:, -1].float(), temperature, top_p, gens)
         tok = tok.masked_fill(done, pad_id)  # finished rows keep decoding pad; their outputs are dropped
         toks[:, t], logps[:, t] = tok, lp
         hit = ~done & torch.isin(tok, eos)
@@ -305,10 +321,11 @@ class Sample:
 
 def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapping[str, list[int]],
                      n_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                     seed: int, clock: dict[str, float] | None = None) -> list[Sample]:
+                     seed: int | Sequence[int], clock: dict[str, float] | None = None) -> list[Sample]:
     """Sample `n_samples` completions of every problem in one batch, decode, grade with `env`.
 
     Returns B * n_samples Samples, prompt-major (problem b's samples are rows b * n .. b * n + n - 1).
+    seed: one for the batch, or one per problem (generate).
     The caller chooses the model's view (knobs.merged() / ablate_quarantine()) and no_grad. `clock`, when
     given, accumulates seconds under "generate" and "grade".
     """
