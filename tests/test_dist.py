@@ -26,8 +26,8 @@ from projected_grpo.errors import UserError
 from projected_grpo.knobs import adapters
 from projected_grpo.knobs.split import Capture
 from projected_grpo.run import dist, metrics
-from projected_grpo.run.batches import Batch, merge
-from projected_grpo.run.rollout import Sample, generate
+from projected_grpo.run.batches import SEED_SCOPES, Batch, merge
+from projected_grpo.run.rollout import Sample, generate, step_seed
 
 TIME_KEYS = ("time/generate", "time/grade", "time/backward", "time/step")
 
@@ -148,6 +148,15 @@ def test_merge_of_rank_batches_is_the_global_batch():
 
 
 # --- per-prompt sampling seeds: a prompt's samples ignore its batch -----------------------------------------
+
+def test_seed_scopes_batch_is_the_old_seed_and_prompt_depends_on_the_prompt_only():
+    batch, prompt = SEED_SCOPES["batch"], SEED_SCOPES["prompt"]
+    assert batch(7, 3, 1, [0, 1]) == step_seed(7, 3, 1)  # unchanged single-process seeds
+    assert batch(7, 3, 1, [0, 1], "all-student") == step_seed(7, 3, 1, "all-student")
+    # prompt 5's seed is the same whether it is sampled beside prompt 2 (one process) or alone (a rank)
+    assert prompt(7, 3, 1, [2, 5])[1] == prompt(7, 3, 1, [5])[0] == step_seed(7, 3, 1, "prompt", 5)
+    assert len(set(prompt(7, 3, 1, range(8)))) == 8 and prompt(7, 3, 2, [5]) != prompt(7, 3, 1, [5])
+
 
 def test_prompt_seeds_make_samples_independent_of_the_batch():
     from transformers import LlamaConfig, LlamaForCausalLM

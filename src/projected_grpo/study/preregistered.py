@@ -137,8 +137,7 @@ class StudyOpts(presets.Base):
 
 def main(argv: list[str]) -> int:
     """`projected-grpo study`: see StudyOpts."""
-    base, opts = presets.parse(argv, "projected-grpo study", StudyOpts,
-                               forbid=experiment._FORBIDDEN + ("--rollout.mix",))
+    base, opts = presets.parse(argv, "projected-grpo study", StudyOpts, forbid=experiment._FORBIDDEN)
     if opts.seeds < 1 or opts.jobs < 0 or opts.backend not in launch.BACKENDS:
         raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}, --backend {opts.backend!r}: need seeds "
                         f">= 1, jobs >= 0 and a backend among {list(launch.BACKENDS)}")
