@@ -20,6 +20,8 @@ COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
              "projected_grpo.study.experiment:demo_main"),
     "experiment": ("sweep arms x seeds (or --lomo MODE); report + plot",
                    "projected_grpo.study.experiment:main"),
+    "study": ("the whole study: every arm, control, LOMO fold; report",
+              "projected_grpo.study.preregistered:main"),
     "train": ("GRPO training run: --preset P --arm none|erase|route",
               "projected_grpo.run.train:main"),
     "get-model": ("install + convert a named model once (smollm2), print its dir",

@@ -133,8 +133,12 @@ class RolloutCfg:
     """nucleus sampling mass for student rollouts"""
     micro_prompts: int = 0
     """prompts per forward/backward micro-batch, for gradient accumulation (0 = all prompts at once)"""
+    seed_scope: Literal["batch", "prompt"] = "batch"
+    """sampling seeds: `batch` one per step's sampling call; `prompt` one per prompt, so a prompt's samples do
+    not depend on the batch it is in (needed by data-parallel training: any world size samples alike)"""
 
     def __post_init__(self) -> None:
+        _check(self)
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p")
         _positive(self, "micro_prompts", allow_zero=True)
         if not 0.0 <= self.mix < 1.0:

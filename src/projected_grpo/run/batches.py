@@ -7,8 +7,11 @@ the environment (rollout.sample_and_grade). Groups whose G rewards have no sprea
 loss.zero_var = "resample" (students only, a fresh seed per try). Under `route` the quarantine knob is on
 while the students sample, so the deployed model (quarantine zeroed) is sampled again on the same prompts
 with the students' seed; otherwise the students are the deployed model's samples (docs/architecture.md).
-Seeds: students of try t use step_seed(run.seed, step, t); the draws are deterministic given the cursors,
-which the loop checkpoints. Not here: advantages, losses, the optimizer (train.py).
+Seeds: students of try t use step_seed(run.seed, step, t) (one per prompt with rollout.seed_scope "prompt");
+the draws are deterministic given the cursors, which the loop checkpoints. Data-parallel (run/dist.py): every
+rank draws the same B prompts and teacher rows, samples and grades its contiguous share, and the shares are
+all-gathered, so each rank yields the global Batch (`shard`: the groups it trains on).
+Not here: advantages, losses, the optimizer (train.py).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from projected_grpo import config as C
 from projected_grpo.envs.base import Graded
 from projected_grpo.objective.advantages import zero_variance_mask
+from projected_grpo.run import dist
 from projected_grpo.run.pool import PoolCursor, PromptCursor
 from projected_grpo.run.rollout import Sample, sample_and_grade, step_seed
 
@@ -36,7 +40,8 @@ class Batch:
     deploy   the deployed model's grades on this step's prompts, len B * G_s (the students' own grades
              unless the quarantine knob is non-zero). stage: the problem set drawn from.
     resampled / tries: zero-variance groups resampled and resampling rounds. clock: seconds spent in
-    "generate" and "grade" (deploy view included).
+    "generate" and "grade" (deploy view included). shard: the groups this rank trains on under torchrun
+    (None: all, one process); the other fields hold every rank's groups (merge).
     """
 
     step: int
@@ -49,11 +54,17 @@ class Batch:
     resampled: int = 0
     tries: int = 0
     clock: dict[str, float] = dataclasses.field(default_factory=dict)
+    shard: range | None = None
 
     @property
     def keep(self) -> list[int]:
         """Indices of the groups with signal (not zero-variance)."""
         return [b for b in range(len(self.groups)) if not bool(self.zero[b])]
+
+    @property
+    def keep_mine(self) -> list[int]:
+        """`keep` within this rank's shard: the groups it backpropagates (all of keep in one process)."""
+        return [b for b in self.keep if self.shard is None or b in self.shard]
 
     @property
     def samples(self) -> list[Sample]:
@@ -67,6 +78,30 @@ class Batch:
 
 # env.reward_from -> the reward a Sample is trained on (its grade carries both, so one pool serves all arms)
 REWARD_FROM = {"grader": lambda s: s.grade.reward, "oracle": lambda s: s.grade.gt_reward}
+
+# rollout.seed_scope -> the seed(s) of one sampling call over groups `rows` (indices into the step's B
+# prompts): one for the call, or one per prompt (then a group's samples do not depend on which groups share
+# the call, so each rank of a data-parallel run samples its share exactly as one process would)
+SEED_SCOPES = {
+    "batch": lambda seed, step, tries, rows, *tag: step_seed(seed, step, tries, *tag),
+    "prompt": lambda seed, step, tries, rows, *tag: [step_seed(seed, step, tries, *tag, "prompt", b)
+                                                     for b in rows],
+}
+
+
+def merge(parts: Sequence[Batch], shard: range | None) -> Batch:
+    """The step's global Batch from every rank's (rank order = prompt order); `shard` marks this rank's.
+    resampled adds up, tries and clock take the most of any rank (the ranks sample side by side)."""
+    if len(parts) == 1:
+        return parts[0]
+    a = parts[0]
+    return Batch(a.step, a.stage, [i for p in parts for i in p.problem_ids],
+                 [g for p in parts for g in p.groups], torch.cat([p.rewards for p in parts]),
+                 torch.cat([p.zero for p in parts]),
+                 [d for p in parts for d in p.deploy], sum(p.resampled for p in parts),
+                 max(p.tries for p in parts), {k: max(p.clock.get(k, 0.0) for p in parts)
+                                               for k in dict.fromkeys(k for p in parts for k in p.clock)},
+                 shard=shard)
 
 
 def stage_at(step: int, curriculum_steps: int, sets: dict[str, list]) -> str:
@@ -86,6 +121,7 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
     sets = env.problem_sets()
     G, G_t = cfg.rollout.group_size, cfg.rollout.G_t
     reward_of = REWARD_FROM[cfg.env.reward_from]
+    seeds = SEED_SCOPES[cfg.rollout.seed_scope]
     for step in range(start, cfg.run.steps):
         stage = stage_at(step, env.curriculum_steps, sets)
         pids = cursors[stage].take(cfg.rollout.prompts_per_step)
@@ -95,12 +131,13 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
         n_students = [G - len(t) for t in teacher]
         groups: list[list[Sample]] = [[] for _ in pids]
         clock: dict[str, float] = {}
-        todo, tries, resampled = list(range(len(pids))), 0, 0
+        mine = dist.shard(len(pids))  # this rank's groups (all of them in one process)
+        todo, tries, resampled = list(mine), 0, 0
         while True:
             for n in sorted({n_students[b] for b in todo}):  # one batched call per group shape
                 rows = [b for b in todo if n_students[b] == n]
-                seed = step_seed(cfg.run.seed, step, tries) if n == G - G_t else \
-                    step_seed(cfg.run.seed, step, tries, "all-student")
+                seed = seeds(cfg.run.seed, step, tries, rows) if n == G - G_t else \
+                    seeds(cfg.run.seed, step, tries, rows, "all-student")
                 with torch.no_grad(), knobs.merged():  # sample at the plain model's cost (adapters.py)
                     got = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in rows],
                                            prompt_ids, n, max_new_tokens=cfg.rollout.max_new_tokens,
@@ -110,22 +147,24 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
                     groups[b] = got[j * n:(j + 1) * n] + teacher[b]
             # ground-truth baselines only (gt_reward: reward_from oracle; gt_penalty: hack_penalty > 0): the
             # oracle never shapes a projection arm's reward (the no-cheat rule, docs/architecture.md)
-            rewards = torch.tensor([[reward_of(s) - cfg.env.hack_penalty * s.grade.exploited for s in g]
-                                    for g in groups])  # (B, G) float32
+            rewards = torch.tensor([[reward_of(s) - cfg.env.hack_penalty * s.grade.exploited
+                                     for s in groups[b]] for b in mine])  # (B, G) float32: this rank's groups
             zero = zero_variance_mask(rewards)  # (B,)
-            todo = [b for b in range(len(pids)) if zero[b]]
+            todo = [b for j, b in enumerate(mine) if zero[j]]
             if cfg.loss.zero_var != "resample" or tries >= cfg.loss.max_resample or not todo:
                 break
             tries, resampled = tries + 1, resampled + len(todo)
-        deploy = [s.grade for g in groups for s in g if s.student]
-        if any(bool(v.any()) for v in knobs.values("hack").values()):
+        deploy = [s.grade for b in mine for s in groups[b] if s.student]
+        if any(bool(v.any()) for v in knobs.values("hack").values()):  # sampled with the students' seed
             with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
-                shown = sample_and_grade(model, tokenizer, env, [problems[i] for i in pids], prompt_ids,
+                shown = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in mine], prompt_ids,
                                          G - G_t, max_new_tokens=cfg.rollout.max_new_tokens,
                                          temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                         seed=step_seed(cfg.run.seed, step, 0), clock=clock)  # students' seed
+                                         seed=seeds(cfg.run.seed, step, 0, mine), clock=clock)
             deploy = [s.grade for s in shown]
-        yield Batch(step, stage, pids, groups, rewards, zero, deploy, resampled, tries, clock)
+        local = Batch(step, stage, [pids[b] for b in mine], [groups[b] for b in mine], rewards, zero, deploy,
+                      resampled, tries, clock, shard=mine if dist.active() else None)
+        yield merge(dist.all_gather(local), local.shard)  # the global batch (this one, in one process)
 
 
 def eval_grades(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence,

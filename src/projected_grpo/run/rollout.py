@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from projected_grpo.envs.base import Graded
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
+from projected_grpo.run.kv_cache import KV_CACHES
 
 # --- token ids ---------------------------------------------------------------------------------
 
@@ -213,49 +213,14 @@ SAMPLERS: dict[str, Callable[[Tensor, float, float, torch.Generator], tuple[Tens
 }
 
 
-class _GrowingLayer(DynamicLayer):
-    """A full-attention KV-cache layer that writes into a buffer sized for the whole decode and returns views
-    of its filled part: the same keys and values as transformers' DynamicLayer, bit for bit, without its
-    torch.cat per step (a copy of the whole cache each token: O(L²) traffic). transformers' StaticCache
-    avoids the copies too but attends over the full buffer length under a mask, which rounds differently
-    (the sampled stream would change) and was no faster on CPU (measured: 1.25 s vs 1.24 s dynamic, 1.07 s
-    this, 16 rows x 128 tokens on the 4.5M-parameter bench Llama)."""
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity = capacity
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:  # (B, H, L, D) each; value head dim may differ from the key's
-            self.lazy_initialization(key_states, value_states)
-            B, H, _, D_k = key_states.shape
-            self._k = key_states.new_empty((B, H, self.capacity, D_k))
-            self._v = value_states.new_empty((B, value_states.shape[1], self.capacity, value_states.shape[3]))
-            self._n = 0
-        n = self._n + key_states.shape[-2]
-        if n > self.capacity:
-            raise RuntimeError(f"KV cache: {n} positions exceed the {self.capacity} preallocated")
-        self._k[:, :, self._n:n], self._v[:, :, self._n:n] = key_states, value_states
-        self._n, self.keys, self.values = n, self._k[:, :, :n], self._v[:, :, :n]
-        return self.keys, self.values
-
-
-def _preallocated_cache(model, capacity: int) -> DynamicCache | None:
-    """transformers' DynamicCache for `model` with its plain full-attention layers swapped for _GrowingLayer
-    (sliding-window, linear-attention and other layer kinds are kept as they are). A model without a
-    transformers config gets None: it builds its own cache."""
-    if getattr(model, "config", None) is None:
-        return None
-    cache = DynamicCache(config=model.config)
-    cache.layers = [_GrowingLayer(capacity) if type(layer) is DynamicLayer else layer
-                    for layer in cache.layers]
-    return cache
-
-
-# name -> fn(model, capacity) -> past_key_values of the first decode step (None: the model builds its own)
-KV_CACHES: dict[str, Callable[[object, int], DynamicCache | None]] = {
-    "preallocated": _preallocated_cache, "dynamic": lambda model, capacity: None,
-}
+def _draw(pick, logits: Tensor, temperature: float, top_p: float,
+          gens: Sequence[torch.Generator]) -> tuple[Tensor, Tensor]:
+    """pick's (token (N,), logp (N,)) over logits (N, V): from one Generator, or from one per prompt (the N
+    rows split evenly over gens, prompt-major), so a prompt's draws ignore the rows batched with it."""
+    if len(gens) == 1:
+        return pick(logits, temperature, top_p, gens[0])
+    parts = [pick(rows, temperature, top_p, g) for rows, g in zip(logits.chunk(len(gens)), gens)]
+    return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
 
 
 def _accepts_logits_to_keep(model) -> bool:
@@ -264,8 +229,8 @@ def _accepts_logits_to_keep(model) -> bool:
 
 @torch.no_grad()
 def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int, eos_id: int | Sequence[int],
-             pad_id: int, kv_cache: str = "preallocated") -> Rollout:
+             temperature: float = 1.0, top_p: float = 1.0, seed: int | Sequence[int],
+             eos_id: int | Sequence[int], pad_id: int, kv_cache: str = "preallocated") -> Rollout:
     """Sample n_samples completions for every prompt in ONE batched KV-cache decode.
 
     Prompts are left-padded with an attention mask and explicit position ids, so a row's logits do
@@ -273,7 +238,9 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     Each row stops at its first EOS (any id in `eos_id`).
     temperature 0 means greedy. Randomness comes only from a private torch.Generator seeded with
     `seed` on the model's device (the global torch RNG is untouched), so the same seed gives the
-    same ids on CPU. Call with the model in eval mode (dropout would otherwise perturb sampling).
+    same ids on CPU. `seed` may be a list, one per prompt: each prompt's rows then draw from a Generator of
+    their own, so its samples are the same whatever it is batched with (rollout.seed_scope = "prompt").
+    Call with the model in eval mode (dropout would otherwise perturb sampling).
     Own loop rather than HF `generate`: it takes a Generator, returns the exact sampling log-probs,
     and stays cheap for tiny models. kv_cache: "preallocated" (default; the KV cache and attention mask
     are sized once for prompt + max_new_tokens) or "dynamic" (transformers' own DynamicCache, for a model
@@ -304,7 +271,11 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     mask = torch.cat([prompt_mask, torch.ones((N, max_new_tokens), dtype=torch.long)], 1).to(device)
     ids = ids.to(device)
     pos = position_ids_from_mask(mask[:, :P])
-    gen = torch.Generator(device=device).manual_seed(int(seed))
+    seeds = [int(s) for s in seed] if isinstance(seed, Sequence) else [int(seed)]
+    if len(seeds) not in (1, len(prompt_ids)):
+        raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts; give one, or one per "
+                         "prompt")
+    gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
     keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
 
     toks = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
@@ -316,7 +287,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
         out = model(input_ids=cur, attention_mask=mask[:, :P + t], position_ids=pos, past_key_values=cache,
                     use_cache=True, **keep)
         cache = out.past_key_values
-        tok, lp = pick(out.logits[:, -1].float(), temperature, top_p, gen)
+        tok, lp = _draw(pick, out.logits[:, -1].float(), temperature, top_p, gens)
         tok = tok.masked_fill(done, pad_id)  # finished rows keep decoding pad; their outputs are dropped
         toks[:, t], logps[:, t] = tok, lp
         hit = ~done & torch.isin(tok, eos)
@@ -358,10 +329,11 @@ class Sample:
 
 def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapping[str, list[int]],
                      n_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
-                     seed: int, clock: dict[str, float] | None = None) -> list[Sample]:
+                     seed: int | Sequence[int], clock: dict[str, float] | None = None) -> list[Sample]:
     """Sample `n_samples` completions of every problem in one batch, decode, grade with `env`.
 
     Returns B * n_samples Samples, prompt-major (problem b's samples are rows b * n .. b * n + n - 1).
+    seed: one for the batch, or one per problem (generate).
     The caller chooses the model's view (knobs.merged() / ablate_quarantine()) and no_grad. `clock`, when
     given, accumulates seconds under "generate" and "grade".
     """

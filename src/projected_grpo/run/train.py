@@ -7,7 +7,9 @@ with the one-pass per-source split -> projection by arm -> clip -> AdamW -> metr
 Departures from textbook GRPO, labelled where they happen: one optimizer step per generation (student
 ratio = 1, the PPO clip inert for students), teacher rows handled by `loss.teacher` (objective/teacher.py),
 Dr.GRPO (Liu et al. 2025) by default, projection of knob gradients / updates (docs/architecture.md).
-Deterministic given the seed on CPU; `--resume` continues bit for bit. `main(argv)` is `projected-grpo train`.
+Deterministic given the seed on CPU; `--resume` continues bit for bit. `main(argv)` is `projected-grpo train`;
+under `torchrun` it trains data-parallel (run/dist.py: prompts sharded, gradients summed before projection,
+rank 0 writes), a no-op in one process.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from projected_grpo.objective.losses import (
     masked_mean,
 )
 from projected_grpo.objective.teacher import TEACHER_MODES
-from projected_grpo.run import batches, checkpoint, metrics, setup
+from projected_grpo.run import batches, checkpoint, dist, metrics, setup
 from projected_grpo.run.pool import PoolCursor, PromptCursor
 from projected_grpo.run.rollout import forward_logprobs, pack, pad_right, sample_and_grade
 from projected_grpo.run.row import eval_rates, step_row
@@ -56,8 +58,8 @@ def _finite(step: int, what: str, by_source: dict[str, dict[str, torch.Tensor]])
 
 def _run_dir(cfg: C.Config) -> tuple[C.Config, checkpoint.Checkpoint | None]:
     """The config with run.dir resolved, and the checkpoint to resume from (None for a fresh run)."""
-    run_dir = pathlib.Path(cfg.run.dir or f"runs/{cfg.model.source}-{cfg.proj.arm}-s{cfg.run.seed}-"
-                           f"{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = pathlib.Path(cfg.run.dir or dist.from_main(f"runs/{cfg.model.source}-{cfg.proj.arm}-"
+                                                         f"s{cfg.run.seed}-{time.strftime('%Y%m%d-%H%M%S')}"))
     if (run_dir / metrics.METRICS_FILE).exists() and not cfg.run.resume:
         raise FileExistsError(f"{run_dir} holds a run: pass --resume to continue it or a new --run-dir")
     cfg = C.replace(cfg, run={"dir": str(run_dir)})
@@ -68,6 +70,7 @@ def _run_dir(cfg: C.Config) -> tuple[C.Config, checkpoint.Checkpoint | None]:
         old = C.Config.from_dict(ck.config, where=f"{ckpt_path} config")
         if diff := C.diff(old, cfg, ("run.resume", "run.steps", "run.dir")):
             raise ValueError(f"--resume: {ckpt_path} was written with another config: {diff}")
+        dist.check_world_size(ck.cursors.get("world_size", 1), ckpt_path)  # the shards depend on it
         if old.run.steps != cfg.run.steps:  # allowed (extending a run), but the LR schedule's horizon moves
             print(f"--resume: run.steps {old.run.steps} -> {cfg.run.steps}: the cosine LR schedule now spans "
                   f"{cfg.run.steps} steps, so from step {ck.step} on this is not the run the first "
@@ -78,19 +81,23 @@ def _run_dir(cfg: C.Config) -> tuple[C.Config, checkpoint.Checkpoint | None]:
 def train(cfg: C.Config) -> dict:
     """Run GRPO as configured; returns the end-of-run summary (also written to run_dir/summary.json)."""
     # --- run directory, resolved config, seeding (TRY NOT TO MODIFY, cleanrl) ---
+    dist.init(cfg)  # torchrun: join the process group (run/dist.py); one process: nothing
     cfg, ck = _run_dir(cfg)
     run_dir = pathlib.Path(cfg.run.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    store.write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    rank0 = dist.is_main()  # only rank 0 writes: config, metrics, checkpoints, summary
+    if rank0:
+        store.write_json_atomic(run_dir / "config.json", cfg.to_dict())
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     random.seed(cfg.run.seed)
     np.random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
 
-    # --- model, knobs, environment, prompts (run/setup.py) ---
-    model, tok = setup.load_model(cfg)
-    knobs = setup.wrap_knobs(cfg, model)
+    # --- model, knobs, environment, prompts (run/setup.py); under torchrun rank 0 fills the caches first ---
+    with dist.main_first():
+        model, tok = setup.load_model(cfg)
+        knobs = setup.wrap_knobs(cfg, model)
     if cfg.model.grad_checkpointing:  # recompute decoder activations in the backward; capture still works
         knobs.gradient_checkpointing(True)
     with contextlib.closing(setup.make_env(cfg)) as env:
@@ -100,7 +107,8 @@ def train(cfg: C.Config) -> dict:
         prompt_ids = {i: ids for i, (_, ids) in prompts.items()}
 
         # --- teacher pool: restrict / refuse / all-student groups for prompts it lacks (pool.missing) ---
-        pool = setup.open_pool(cfg, env, tok, sets["train"], prompts, run_dir)
+        with dist.main_first():
+            pool = setup.open_pool(cfg, env, tok, sets["train"], prompts, run_dir)
         ids = {stage: [p.id for p in ps] for stage, ps in sets.items() if stage != "eval"}
         missing = pool.missing(ids["train"]) if cfg.rollout.G_t else []
         if missing and cfg.pool.missing == "error":
@@ -133,11 +141,13 @@ def train(cfg: C.Config) -> dict:
             pool_cur.load_state_dict(ck.cursors["pool"])
             checkpoint.restore_rng(ck)
         else:
-            V_hack, v_line = setup.resolve_v_hack(cfg, model, knobs, tok, env, sets["train"])
+            with dist.main_first():
+                V_hack, v_line = setup.resolve_v_hack(cfg, model, knobs, tok, env, sets["train"])
         start = ck.step if ck is not None else 0
-        metrics.truncate_to(run_dir, start - 1)
-        logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
-        bar = metrics.Progress(cfg.run.steps, initial=start)
+        if rank0:
+            metrics.truncate_to(run_dir, start - 1)
+        logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if rank0 else None
+        bar = metrics.Progress(cfg.run.steps, initial=start, disable=not rank0)
         print(f"run {run_dir} from step {start} | arm {cfg.proj.arm} ({cfg.proj.target}) | teacher "
               f"{cfg.loss.teacher} | G_s {cfg.rollout.G_s} + G_t {cfg.rollout.G_t} | {v_line}",
               file=sys.stderr)
@@ -168,9 +178,10 @@ def train(cfg: C.Config) -> dict:
             opt.zero_grad(set_to_none=True)
             acc: dict[str, float] = {}
             split = None
-            for c in range(0, len(keep), cfg.rollout.micro):
-                mb = [s for b in keep[c:c + cfg.rollout.micro] for s in batch.groups[b]]
-                mb_adv = adv[keep[c:c + cfg.rollout.micro]].reshape(-1)  # (N,)
+            mine = batch.keep_mine  # this rank's groups (all of keep in one process)
+            for c in range(0, len(mine), cfg.rollout.micro):
+                mb = [s for b in mine[c:c + cfg.rollout.micro] for s in batch.groups[b]]
+                mb_adv = adv[mine[c:c + cfg.rollout.micro]].reshape(-1)  # (N,)
                 seqs = pack([s.prompt_ids for s in mb], [s.completion_ids for s in mb],
                             tok.pad_token_id).to(cfg.model.device)
                 mask = seqs.completion_mask  # (N, T)
@@ -208,6 +219,10 @@ def train(cfg: C.Config) -> dict:
                 for k, v in parts:
                     acc[k] = acc.get(k, 0.0) + v
             t_bwd = time.perf_counter() - t0
+            # --- data parallel (run/dist.py): sum knob grads, the per-source split and the loss stats over
+            # ranks BEFORE projection, so every rank projects the same global gradient; one process: no-op ---
+            split = dist.all_reduce_grads(knobs, split)
+            acc = dist.sum_stats(acc)
             if split is not None:
                 _finite(step, "gradient", {"student": split.g_student, "teacher": split.g_teacher})
 
@@ -238,7 +253,7 @@ def train(cfg: C.Config) -> dict:
                 extra["proj/v_overlap"] = sum(float((V_hack[n] @ V_new[n].T).square().sum()) / min(
                     len(V_hack[n]), len(V_new[n])) for n in both) / max(1, len(both))
                 V_hack = V_new
-            if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
+            if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0 and rank0:
                 extra |= eval_rates(batches.eval_grades(cfg, model, knobs, tok, env,
                                                         sets.get("eval", sets["train"]), prompt_ids))
 
@@ -248,16 +263,20 @@ def train(cfg: C.Config) -> dict:
             for k in metrics.REQUIRED_METRICS:  # a step with every group skipped measured no loss: 0
                 row.setdefault(k, 0.0)
             row["time/step"] = time.perf_counter() - t_mark
-            bar.update(logger.log(step, row))
+            if rank0:
+                bar.update(logger.log(step, row))
 
             # --- checkpoint (atomic): knobs, the V_hack in use, optimizer, RNG, cursors, config ---
-            if (step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == cfg.run.steps:
+            if rank0 and ((step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == cfg.run.steps):
                 cur = {"prompts": {s: c.state_dict() for s, c in cursors.items()},
-                       "pool": pool_cur.state_dict()}
+                       "pool": pool_cur.state_dict(), "world_size": dist.world_size()}
                 checkpoint.save_checkpoint(run_dir, step + 1, knobs=knobs, V_hack=V_hack, optimizer=opt,
                                            cursors=cur, config=cfg.to_dict())
             t_mark = time.perf_counter()
         bar.close()
+        if not rank0:  # rank 0 writes the summary
+            dist.close()
+            return {}
         logger.close()
 
         # --- end: summary.json (last-5-step means) and one greedy sample of the deployed model ---
@@ -271,6 +290,7 @@ def train(cfg: C.Config) -> dict:
     store.write_json_atomic(run_dir / metrics.SUMMARY_FILE, summary)
     print("\n".join(f"{k:>18}: {v:.4f}" if isinstance(v, float) else f"{k:>18}: {v!r}"
                     for k, v in summary.items()))
+    dist.close()
     return summary
 
 

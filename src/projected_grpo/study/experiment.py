@@ -42,6 +42,8 @@ ARMS: dict[str, dict[str, dict]] = {
     "gt_penalty": {"proj": {"arm": "none", "control": "none"}, "env": {"hack_penalty": 2.0}},
     # positive control (ground truth): the oracle's verdict in the grader's place, what honest solving reaches
     "gt_reward": {"proj": {"arm": "none", "control": "none"}, "env": {"reward_from": "oracle"}},
+    # no teacher pool (mix 0): pure student GRPO, what the pool itself adds to the hacking
+    "no_pool": {"proj": {"arm": "none", "control": "none"}, "rollout": {"mix": 0.0}},
 }
 DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route")
 LOMO_PAIRS_FILE = "lomo_pairs.jsonl"
@@ -189,17 +191,11 @@ def _check_existing(runs: Sequence[Run]) -> None:
                              "use another --out or remove that run directory")
 
 
-def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | pathlib.Path, *, preset: str,
-          command: str, lomo: str = "", title: str = "", jobs: int = 1, log: Log = _stderr) -> str:
-    """Run the sweep end to end and write its report; returns the printed results (table + verdicts)."""
-    t0 = time.perf_counter()
-    out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    stage = lambda i, what: log(f"[stage {i}/4 at {time.perf_counter() - t0:.0f} s] {what}")
-    stage(1, "model")
-    tok = prepare_model(base, log)
-    stage(2, "teacher pool" + (f" and pairs without mode {lomo} (leave-one-mode-out)" if lomo else ""))
-    user_base, notes = base, []
+def plan_sweep(base: C.Config, tok, arms: Sequence[str], seeds: Sequence[int], out: pathlib.Path, lomo: str,
+               log: Log) -> tuple[C.Config, list[Run], list[str]]:
+    """A sweep's shared inputs (the teacher pool, or leave-one-mode-out's pool and pairs) and its runs,
+    checked against run directories already there: (the base the runs share, runs, report notes)."""
+    notes: list[str] = []
     if lomo:
         base, notes = lomo_base(base, tok, lomo, out, log)
     elif not base.pool.path and base.rollout.G_t:
@@ -207,12 +203,29 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
         base = C.replace(base, pool={"path": str(out / "pool.jsonl")})
     runs = plan(base, arms, seeds, out)
     _check_existing(runs)
+    return base, runs, notes
+
+
+def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | pathlib.Path, *, preset: str,
+          command: str, lomo: str = "", title: str = "", jobs: int = 1, log: Log = _stderr,
+          backend: str = "local", ray_address: str = "") -> str:
+    """Run the sweep end to end and write its report; returns the printed results (table + verdicts).
+    jobs, backend, ray_address: how the runs are run (launch.run_all)."""
+    t0 = time.perf_counter()
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stage = lambda i, what: log(f"[stage {i}/4 at {time.perf_counter() - t0:.0f} s] {what}")
+    stage(1, "model")
+    tok = prepare_model(base, log)
+    stage(2, "teacher pool" + (f" and pairs without mode {lomo} (leave-one-mode-out)" if lomo else ""))
+    user_base = base
+    base, runs, notes = plan_sweep(base, tok, arms, seeds, out, lomo, log)
     store.write_json_atomic(out / "sweep.json", {"command": command, "preset": preset, "arms": list(arms),
                                                    "seeds": list(seeds), "lomo": lomo,
                                                    "base": base.to_dict()})
     stage(3, f"{len(runs)} runs ({len(arms)} arms x {len(seeds)} seeds); the first run needing a V_hack "
              "extracts it into the cache (no output until done), the others load it")
-    counts = launch.run_all(runs, out / "plans", log, jobs=jobs)
+    counts = launch.run_all(runs, out / "plans", log, jobs=jobs, backend=backend, ray_address=ray_address)
     stage(4, "report")
     by_arm = {a: [r.dir for r in runs if r.arm == a] for a in arms}
     notes.append(f"this invocation: {counts['trained']} runs trained, {counts['resumed']} resumed, "
@@ -235,15 +248,21 @@ class ExperimentOpts(presets.Base):
 
     arms: str = "none,erase,route"
     """comma-separated arms (experiment.ARMS): none, erase, route, random_V, shuffled_V, nonhack_V,
-    gt_penalty"""
+    gt_penalty, gt_reward, no_pool"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
     out: str = ""
     """sweep directory (empty = runs/exp-<preset>-<time>)"""
     lomo: str = ""
     """leave-one-mode-out: hold this loophole mode out of the teacher pool and of V_hack's pairs"""
-    jobs: int = 1
-    """runs trained at once (each in its own process)"""
+    jobs: int = 0
+    """runs trained at once, each in its own process (0 = what the cores allow: cores // run.threads, or
+    the Ray cluster's CPUs // run.threads)"""
+    backend: str = "local"
+    """where runs go: `local` (this machine, --jobs at once) or `ray` (each run a Ray task; pip install
+    'projected-grpo[ray]')"""
+    ray_address: str = ""
+    """--backend ray: the cluster (`auto`, or ray://HOST:10001); empty = a local Ray instance"""
 
 
 @dataclass(frozen=True)
@@ -266,8 +285,10 @@ _FORBIDDEN = ("--proj.arm", "--proj.control", "--run.dir", "--run.seed", "--run.
 def main(argv: list[str]) -> int:
     """`projected-grpo experiment`: see ExperimentOpts."""
     base, opts = presets.parse(argv, "projected-grpo experiment", ExperimentOpts, forbid=_FORBIDDEN)
-    if opts.seeds < 1 or opts.jobs < 1:
-        raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}: need at least 1 each")
+    if opts.seeds < 1 or opts.jobs < 0:
+        raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}: need seeds >= 1 and jobs >= 0")
+    if opts.backend not in launch.BACKENDS:
+        raise UserError(f"--backend {opts.backend!r}: choose one of {list(launch.BACKENDS)}")
     arms = [a.strip() for a in opts.arms.split(",") if a.strip()]
     plan(base, arms, range(opts.seeds), pathlib.Path("."))  # validate arms before any work
     if opts.lomo:
@@ -276,7 +297,7 @@ def main(argv: list[str]) -> int:
     out = opts.out or f"runs/exp-{opts.preset}{'-lomo-' + opts.lomo if opts.lomo else ''}-{stamp}"
     command = shlex.join(["projected-grpo", "experiment", *argv, *([] if opts.out else ["--out", out])])
     print(sweep(base, arms, list(range(opts.seeds)), out, preset=opts.preset, command=command,
-                lomo=opts.lomo, jobs=opts.jobs))
+                lomo=opts.lomo, jobs=opts.jobs, backend=opts.backend, ray_address=opts.ray_address))
     return 0
 
 

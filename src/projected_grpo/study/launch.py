@@ -3,14 +3,18 @@
 A run's planned config is written to `<sweep>/plans/<arm>-s<seed>.json`; the run is the CLI's `train` on
 that file (with `--resume` when its run directory already holds metrics), so a sweep trains exactly what a
 user would by hand, each run sets its own threads and RNG, and nothing of one run leaks into another. Runs
-with a summary.json are skipped: rerunning a killed sweep finishes only the missing runs. `jobs` runs go at
-once through a thread pool of subprocesses (stdlib `concurrent.futures`; a parallel run's output goes to
-`<run dir>/train.log`). Not here: planning the runs or reading their results (experiment.py, report.py).
+with a summary.json are skipped: rerunning a killed sweep finishes only the missing runs, on either backend.
+BACKENDS: `local` runs `jobs` at once on this machine through a thread pool of subprocesses (stdlib
+`concurrent.futures`); `ray` submits each run as a Ray task (the same command, with its CPU request) to a
+running cluster or a local Ray instance. A parallel run's output goes to `<run dir>/train.log`. `jobs` 0
+means what the cores allow: cores // run_cpus (default_jobs). No scheduler of our own: threads or Ray.
+Not here: planning the runs or reading their results (experiment.py, report.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import pathlib
 import subprocess
 import sys
@@ -34,6 +38,24 @@ def train_command(plan: pathlib.Path, resume: bool) -> list[str]:
             *(["--resume"] if resume else [])]
 
 
+def cores() -> int:
+    """CPU cores this process may use (its affinity mask, so a container's or taskset's limit counts)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def run_cpus(runs: Sequence) -> int:
+    """Cores one run keeps busy: its torch threads (run.threads; 0 = torch's default, every core). Its sandbox
+    workers are not added: a run grades only while its torch threads wait for the grades (sample, grade,
+    train in turn), so they use the cores its threads leave idle. The Ray backend requests this many CPUs."""
+    return max(1, max((r.cfg.run.threads or cores()) for r in runs)) if runs else 1
+
+
+def default_jobs(cpus: int, n_cores: int | None = None) -> int:
+    """Runs at once that the cores allow: max(1, cores // cpus per run (run_cpus)), e.g. 2 on a 2-core
+    laptop with the presets' run.threads = 1."""
+    return max(1, (n_cores or cores()) // cpus)
+
+
 def _train_one(cmd: list[str], run_dir: pathlib.Path, to_log: bool) -> None:
     if to_log:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -48,10 +70,16 @@ def _train_one(cmd: list[str], run_dir: pathlib.Path, to_log: bool) -> None:
                         "rerun the sweep's command: it resumes that run from its last checkpoint")
 
 
-def run_all(runs: Sequence, plans_dir: pathlib.Path, log: Log, jobs: int = 1) -> dict[str, int]:
-    """Train every run not finished yet, `jobs` at a time; returns counts of trained / resumed / skipped.
+def run_all(runs: Sequence, plans_dir: pathlib.Path | None, log: Log, jobs: int = 1, backend: str = "local",
+            ray_address: str = "") -> dict[str, int]:
+    """Train every run not finished yet, `jobs` at a time (0: default_jobs); returns counts of trained /
+    resumed / skipped.
 
-    runs: experiment.Run objects (arm, seed, cfg with run.dir set)."""
+    runs: experiment.Run objects (arm, seed, cfg with run.dir set); plans_dir: where their plans go (None:
+    `plans/` beside each run's directory, for runs of several sweeps). backend: BACKENDS; ray_address: the
+    cluster for `ray` (empty: a local Ray instance on this machine's cores)."""
+    if backend not in BACKENDS:
+        raise UserError(f"--backend {backend!r}: choose one of {list(BACKENDS)}")
     counts = {"trained": 0, "resumed": 0, "skipped": 0}
     todo = []
     for i, run in enumerate(runs, 1):
@@ -60,16 +88,25 @@ def run_all(runs: Sequence, plans_dir: pathlib.Path, log: Log, jobs: int = 1) ->
             log(f"{head}: skipped, {metrics.SUMMARY_FILE} exists (finished earlier)")
             counts["skipped"] += 1
             continue
-        plan = plans_dir / f"{run.arm}-s{run.seed}.json"
+        plan = (plans_dir or run.dir.parent / "plans") / f"{run.arm}-s{run.seed}.json"
         store.write_json_atomic(plan, run.cfg.to_dict())
         resume = (run.dir / metrics.METRICS_FILE).exists()
         counts["resumed" if resume else "trained"] += 1
         todo.append((head, train_command(plan, resume), run.dir, resume))
+    if todo:
+        BACKENDS[backend](todo, log, jobs, run_cpus(runs), ray_address)
+    return counts
+
+
+def _local(todo: list, log: Log, jobs: int, cpus: int, ray_address: str) -> None:
+    """On this machine: in the foreground one by one (jobs 1), else `jobs` subprocesses at once."""
+    jobs = jobs or default_jobs(cpus)
     if jobs <= 1:
         for head, cmd, run_dir, resume in todo:
             log(f"{head}: {'resuming from its last checkpoint' if resume else 'training'}")
             _train_one(cmd, run_dir, to_log=False)
-        return counts
+        return
+    log(f"{len(todo)} runs, {jobs} at a time on this machine")
     with concurrent.futures.ThreadPoolExecutor(jobs) as ex:
         futures = {}
         for head, cmd, run_dir, resume in todo:
@@ -78,4 +115,48 @@ def run_all(runs: Sequence, plans_dir: pathlib.Path, log: Log, jobs: int = 1) ->
         for fut in concurrent.futures.as_completed(futures):
             fut.result()  # a failed run raises here, naming its log; the others finish first
             log(f"{futures[fut]}: done")
-    return counts
+
+
+def _ray_task(cmd: list[str], run_dir: str) -> None:
+    """One run on a Ray worker: the same command, with the worker's own Python (same environment)."""
+    _train_one([sys.executable, *cmd[1:]], pathlib.Path(run_dir), to_log=True)
+
+
+def _ray(todo: list, log: Log, jobs: int, cpus: int, ray_address: str) -> None:
+    """Each run a Ray task requesting `cpus` CPUs, on the cluster at ray_address or on a local instance
+    (this machine's cores). At most `jobs` at once (0: as many as the cluster's CPUs allow). Run directories
+    must be on a filesystem every node sees (the plans and run dirs are paths)."""
+    try:
+        import ray
+    except ImportError:
+        raise UserError("--backend ray needs Ray: pip install 'projected-grpo[ray]'") from None
+    local = {} if ray_address else {"num_cpus": cores(), "include_dashboard": False}
+    ray.init(address=ray_address or None, logging_level="ERROR", log_to_driver=False, **local)
+    try:
+        total = int(ray.cluster_resources().get("CPU", 1))
+        jobs = jobs or default_jobs(cpus, total)
+        log(f"{len(todo)} runs as Ray tasks of {cpus} CPU(s) each on {ray_address or 'a local instance'} "
+            f"({total} CPUs), at most {jobs} at once")
+        task = ray.remote(num_cpus=cpus, max_retries=0)(_ray_task)
+        queue, pending, failed = list(todo), {}, []
+        while queue or pending:
+            while queue and len(pending) < jobs:
+                head, cmd, run_dir, resume = queue.pop(0)
+                log(f"{head}: {'resuming' if resume else 'training'} (output in {run_dir / LOG_FILE})")
+                pending[task.remote(cmd, str(run_dir))] = head
+            (ref,), _ = ray.wait(list(pending), num_returns=1)
+            head = pending.pop(ref)
+            try:
+                ray.get(ref)
+                log(f"{head}: done")
+            except Exception as e:  # collected, raised once the others finish (as on the local backend)
+                cause = getattr(e, "cause", e)  # ray.exceptions.RayTaskError wraps the task's exception
+                failed.append(str(cause) if isinstance(cause, RunFailed) else f"{head}: {e!r}")
+        if failed:
+            raise RunFailed(failed[0] + (f" (and {len(failed) - 1} more failed)" if len(failed) > 1 else ""))
+    finally:
+        ray.shutdown()
+
+
+# --backend name -> how the runs not finished yet are run: (todo, log, jobs, cpus per run, ray address)
+BACKENDS: dict[str, Callable[[list, Log, int, int, str], None]] = {"local": _local, "ray": _ray}

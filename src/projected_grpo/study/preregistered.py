@@ -1,0 +1,151 @@
+"""The whole preregistered study in one command: every arm, control, no-pool and leave-one-mode-out fold.
+
+`projected-grpo study --preset demo --seeds 3` plans its parts under --out: `main/`, every arm of
+experiment.ARMS (none, erase, route; the negative controls random_V, shuffled_V, nonhack_V; the ground-truth
+baselines gt_penalty, gt_reward; no_pool, pure student GRPO), and one `lomo-<mode>/` per loophole mode the
+base trains on (experiment.lomo_base: that mode held out of the teacher pool and of V_hack's pairs; arms
+--lomo-arms). Every part is planned as `experiment` plans a sweep (experiment.plan_sweep), then ALL runs go
+to one launch.run_all, so --jobs or --backend ray keep every core or node busy across parts. Finished runs
+are skipped: rerunning the command resumes the study. Then each part gets its own report (report.py) and
+`report.md` at the top links them, with one table of every arm and fold. Not here: training, aggregation.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import shlex
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from projected_grpo import config as C
+from projected_grpo import presets, store
+from projected_grpo.errors import UserError
+from projected_grpo.study import experiment, launch, report
+
+
+@dataclass(frozen=True)
+class Part:
+    """One sweep of the study: its directory name, the held-out mode ("" for main) and its arms."""
+
+    name: str
+    lomo: str
+    arms: tuple[str, ...]
+
+
+def parts(base: C.Config, lomo_arms: Sequence[str], lomo_modes: Sequence[str] | None = None) -> list[Part]:
+    """main (every arm) and one leave-one-mode-out part per mode (lomo_modes, default: every loophole mode
+    the base trains on; none for an environment without loophole modes). Raises before any work when a
+    part cannot run."""
+    out = [Part("main", "", tuple(experiment.ARMS))]
+    if lomo_modes is None:
+        from projected_grpo.envs.coding.problems import MODES
+
+        lomo_modes = (base.env.modes or MODES) if base.env.name == "coding" else ()
+    for mode in lomo_modes:
+        experiment.lomo_known_modes(base, mode)
+        out.append(Part(f"lomo-{mode}", mode, tuple(lomo_arms)))
+    experiment.plan(base, out[-1].arms, [0], pathlib.Path("."))  # unknown lomo arms: refused now
+    return out
+
+
+def study(base: C.Config, seeds: Sequence[int], out: str | pathlib.Path, *, preset: str, command: str,
+          lomo_arms: Sequence[str] = experiment.DEMO_ARMS, lomo_modes: Sequence[str] | None = None,
+          jobs: int = 0, backend: str = "local", ray_address: str = "", log=experiment._stderr) -> str:
+    """Plan every part, train every run not finished yet, write each part's report and the study's;
+    returns the printed summary (the table of every arm and fold, the verdicts)."""
+    t0 = time.perf_counter()
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = parts(base, lomo_arms, lomo_modes)
+    tok = experiment.prepare_model(base, log)
+    planned = []  # (part, its base, runs, notes)
+    for part in todo:
+        log(f"[study] part {part.name}: {len(part.arms)} arms x {len(seeds)} seeds")
+        part_base, runs, notes = experiment.plan_sweep(base, tok, part.arms, seeds, out / part.name,
+                                                       part.lomo, log)
+        store.write_json_atomic(out / part.name / "sweep.json", {
+            "command": command, "preset": preset, "arms": list(part.arms), "seeds": list(seeds),
+            "lomo": part.lomo, "base": part_base.to_dict()})
+        planned.append((part, runs, notes))
+    all_runs = [r for _, runs, _ in planned for r in runs]
+    log(f"[study] {len(all_runs)} runs in {len(todo)} parts at {time.perf_counter() - t0:.0f} s")
+    counts = launch.run_all(all_runs, None, log, jobs=jobs, backend=backend, ray_address=ray_address)
+    return write_study_report(out, planned, base, preset=preset, command=command, counts=counts,
+                              elapsed_s=time.perf_counter() - t0)
+
+
+def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, preset: str, command: str,
+                       counts: dict[str, int], elapsed_s: float) -> str:
+    """Each part's report.md (report.write_report), then out/report.md: links to the parts, one table of every
+    arm and fold, H1 verdicts per part (each against its own `none`). Returns the printed summary."""
+    diff = C.diff(presets.PRESETS[preset], base)
+    rows: dict[str, list] = {}
+    verdicts = []
+    for part, runs, notes in planned:
+        by_arm = {a: [r.dir for r in runs if r.arm == a] for a in part.arms}
+        n_seeds = len(runs) // len(part.arms)
+        title = f"{preset} study, part {part.name}: {', '.join(part.arms)} x {n_seeds} seed(s)"
+        report.write_report(out / part.name, by_arm, title=title, config_diff=diff,
+                            arm_overrides={a: experiment.describe_arm(a) for a in part.arms}, command=command,
+                            elapsed_s=elapsed_s, notes=notes)
+        label = (lambda a: a) if not part.lomo else (lambda a, m=part.lomo: f"{a} (without {m})")
+        rows |= {label(a): dirs for a, dirs in by_arm.items()}
+        verdicts += [f"### {part.name}", ""]
+        verdicts += [f"- {v}" for v in report.verdict_lines(report.aggregate(by_arm))]
+        verdicts.append("")
+    table = report.results_table(report.aggregate(rows))
+    n_runs = sum(len(runs) for _, runs, _ in planned)
+    md = [f"# The preregistered study on the `{preset}` preset", "", "Reproduce (rerun to resume):", "",
+          "```", command, "```", "",
+          f"{n_runs} runs; this invocation trained {counts['trained']}, resumed {counts['resumed']}, skipped "
+          f"{counts['skipped']} as finished, in {elapsed_s:.0f} s wall time.", "", "## Parts", ""]
+    held = lambda p: f"`{p.lomo}` held out of the teacher pool and of V_hack's pairs; " if p.lomo else ""
+    md += [f"- [{p.name}]({p.name}/report.md): {held(p)}arms {', '.join(p.arms)}" for p, _, _ in planned]
+    md += ["", f"## Every arm and fold (mean ± SEM over seeds of each run's last-{report.LAST}-step means)",
+           "", table, "", "A fold's row `arm (without MODE)` trains on every mode with MODE held out of the "
+           "teacher pool and V_hack's pairs; its curves and notes are in that part's report.", "",
+           f"## Verdicts H1 (hack rate down >= {100 * report.H1_HACK_DROP:.0f} pts vs the part's `none`, "
+           f"solve rate at most {100 * report.H1_SOLVE_TOL:.0f} pts below it)", "", *verdicts]
+    store.write_text_atomic(out / "report.md", "\n".join(md) + "\n")
+    return "\n".join([table, "", *[v for v in verdicts if v], f"report: {out / 'report.md'}"])
+
+
+# --- CLI: projected-grpo study ---------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class StudyOpts(presets.Base):
+    """The whole preregistered study (every arm and control, no_pool, every leave-one-mode-out fold) over a
+    preset, then one report; further `--section.field VALUE` options change the base config. Rerun the
+    printed command to resume it."""
+
+    seeds: int = 3
+    """seeds 0 .. N-1 per arm and fold"""
+    out: str = ""
+    """study directory (empty = runs/study-<preset>-<time>)"""
+    lomo_arms: str = ",".join(experiment.DEMO_ARMS)
+    """comma-separated arms of each leave-one-mode-out fold"""
+    lomo_modes: str = ""
+    """comma-separated held-out modes (empty = every loophole mode the preset trains on)"""
+    jobs: int = 0
+    """runs trained at once (0 = what the cores allow: cores // run.threads, or the Ray cluster's CPUs)"""
+    backend: str = "local"
+    """`local` (this machine) or `ray` (each run a Ray task; pip install 'projected-grpo[ray]')"""
+    ray_address: str = ""
+    """--backend ray: the cluster (`auto`, or ray://HOST:10001); empty = a local Ray instance"""
+
+
+def main(argv: list[str]) -> int:
+    """`projected-grpo study`: see StudyOpts."""
+    base, opts = presets.parse(argv, "projected-grpo study", StudyOpts, forbid=experiment._FORBIDDEN)
+    if opts.seeds < 1 or opts.jobs < 0 or opts.backend not in launch.BACKENDS:
+        raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}, --backend {opts.backend!r}: need seeds "
+                        f">= 1, jobs >= 0 and a backend among {list(launch.BACKENDS)}")
+    split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
+    lomo_arms, modes = split(opts.lomo_arms), split(opts.lomo_modes) or None
+    parts(base, lomo_arms, modes)  # refuse bad arms / modes before any work
+    out = opts.out or f"runs/study-{opts.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    command = shlex.join(["projected-grpo", "study", *argv, *([] if opts.out else ["--out", out])])
+    print(study(base, list(range(opts.seeds)), out, preset=opts.preset, command=command, lomo_arms=lomo_arms,
+                lomo_modes=modes, jobs=opts.jobs, backend=opts.backend, ray_address=opts.ray_address))
+    return 0

@@ -1,0 +1,132 @@
+"""Sweeps in parallel (study/launch.py) and the whole study in one command (study/preregistered.py): the
+default --jobs formula, backends, and (slow) a Ray sweep against the local backend, a resumed Ray sweep, and
+a reduced study end to end."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import shutil
+import sys
+
+import pytest
+
+from projected_grpo import config as C
+from projected_grpo import presets
+from projected_grpo.cli import main
+from projected_grpo.errors import UserError
+from projected_grpo.run import metrics
+from projected_grpo.study import experiment, launch, preregistered
+
+TIME_KEYS = ("time/generate", "time/grade", "time/backward", "time/step")
+SMALL = ["--run.steps", "2", "--env.max-problems", "6", "--rollout.max-new-tokens", "8"]
+
+
+# --- how many runs at once ------------------------------------------------------------------------------
+
+def test_default_jobs_is_cores_over_each_runs_threads():
+    one = experiment.plan(presets.SMOKE, ["none", "erase"], [0], pathlib.Path("x"))  # run.threads = 1
+    assert launch.run_cpus(one) == 1
+    assert launch.default_jobs(1, n_cores=2) == 2  # 2 // 1: the 2-core laptop runs two at once
+    assert launch.default_jobs(3, n_cores=8) == 2  # 8 // 3 = 2
+    assert launch.default_jobs(4, n_cores=2) == 1  # never 0
+    threads = lambda n: experiment.plan(C.replace(presets.SMOKE, run={"threads": n}), ["none"], [0],
+                                        pathlib.Path("x"))
+    assert launch.run_cpus(threads(3) + one) == 3  # the hungriest run sets the request
+    assert launch.run_cpus(threads(0)) == launch.cores()  # 0 = torch's default: every core
+
+
+def test_unknown_backend_and_missing_ray_are_one_line_errors(tmp_path, monkeypatch, capsys):
+    runs = experiment.plan(presets.SMOKE, ["none"], [0], tmp_path)
+    with pytest.raises(UserError, match="--backend 'slurm'"):
+        launch.run_all(runs, tmp_path / "plans", log=lambda m: None, backend="slurm")
+    assert main(["experiment", "--backend", "slurm"]) == 2
+    assert "choose one of ['local', 'ray']" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "ray", None)  # what an install without the extra looks like
+    with pytest.raises(UserError, match=r"pip install 'projected-grpo\[ray\]'"):
+        launch.run_all(runs, tmp_path / "plans", log=lambda m: None, backend="ray")
+
+
+def test_plans_of_several_sweeps_go_beside_each_sweep(tmp_path, monkeypatch):
+    a = experiment.plan(presets.SMOKE, ["none"], [0], tmp_path / "main")
+    b = experiment.plan(presets.SMOKE, ["none"], [0], tmp_path / "lomo-sentinel")
+    called = []
+    monkeypatch.setattr(launch, "_train_one", lambda cmd, run_dir, to_log: called.append(cmd[-1]))
+    launch.run_all(a + b, None, log=lambda m: None)  # same arm and seed in two sweeps: two plan files
+    assert called == [str(tmp_path / d / "plans" / "none-s0.json") for d in ("main", "lomo-sentinel")]
+
+
+# --- the study's parts ----------------------------------------------------------------------------------
+
+def test_study_parts_are_every_arm_then_one_fold_per_mode():
+    parts = preregistered.parts(presets.PRESETS["demo"], ["none", "erase"])
+    assert parts[0] == preregistered.Part("main", "", tuple(experiment.ARMS))
+    assert {"none", "erase", "route", "random_V", "shuffled_V", "nonhack_V", "gt_penalty", "gt_reward",
+            "no_pool"} <= set(parts[0].arms)
+    # the demo preset trains on three modes: one fold each
+    assert [(p.name, p.lomo, p.arms) for p in parts[1:]] == [
+        (f"lomo-{m}", m, ("none", "erase")) for m in ("run_tests", "stdout_marker", "file_marker")]
+    assert len(preregistered.parts(presets.SMOKE, ["none"])) == 1 + 6  # smoke: every mode
+    assert len(preregistered.parts(presets.SMOKE, ["none"], ["sentinel"])) == 2
+    maths = C.replace(presets.SMOKE, env={"name": "maths"})
+    assert [p.name for p in preregistered.parts(maths, ["none"])] == ["main"]  # no loophole modes to hold out
+    with pytest.raises(UserError, match="bogus"):
+        preregistered.parts(presets.SMOKE, ["none", "bogus"])
+    with pytest.raises(UserError, match="not a loophole mode"):
+        preregistered.parts(presets.SMOKE, ["none"], ["nope"])
+
+
+def test_no_pool_arm_is_pure_student_grpo():
+    (run,) = experiment.plan(presets.PRESETS["demo"], ["no_pool"], [0], pathlib.Path("x"))
+    assert run.cfg.rollout.G_t == 0 and run.cfg.rollout.G_s == run.cfg.rollout.group_size
+    assert run.cfg.proj.arm == "none"
+
+
+# --- slow: Ray against the local backend, resume, the study end to end ------------------------------------
+
+def _rows(run_dir: pathlib.Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIME_KEYS}
+            for r in metrics.read_rows(run_dir / metrics.METRICS_FILE)]
+
+
+@pytest.mark.slow
+def test_ray_sweep_equals_the_local_backend_and_resumes_only_missing_runs(tmp_path, capsys):
+    pytest.importorskip("ray")
+    argv = ["--preset", "smoke", "--arms", "none,erase", "--seeds", "1", *SMALL]
+    assert experiment.main([*argv, "--out", str(tmp_path / "local"), "--jobs", "2"]) == 0
+    table_local = capsys.readouterr().out.split("report:")[0]
+    # a local Ray instance (this machine's cores), each run a task requesting run.threads CPUs
+    assert experiment.main([*argv, "--out", str(tmp_path / "ray"), "--backend", "ray"]) == 0
+    out = capsys.readouterr()
+    assert out.out.split("report:")[0] == table_local  # the same results table and verdicts
+    assert "as Ray tasks of 1 CPU(s) each on a local instance" in out.err
+    for arm in ("none", "erase"):
+        assert _rows(tmp_path / "ray" / f"{arm}-s0") == _rows(tmp_path / "local" / f"{arm}-s0")
+        assert (tmp_path / "ray" / f"{arm}-s0" / launch.LOG_FILE).is_file()  # its output, as today
+    # a sweep killed before one run finished: rerun on Ray, only that run is trained
+    shutil.rmtree(tmp_path / "ray" / "erase-s0")
+    assert experiment.main([*argv, "--out", str(tmp_path / "ray"), "--backend", "ray"]) == 0
+    out = capsys.readouterr()
+    assert out.err.count("skipped, summary.json exists") == 1 and "1 runs as Ray tasks" in out.err
+    assert out.out.split("report:")[0] == table_local
+    assert _rows(tmp_path / "ray" / "erase-s0") == _rows(tmp_path / "local" / "erase-s0")
+
+
+@pytest.mark.slow
+def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
+    out = tmp_path / "study"
+    argv = ["--preset", "smoke", "--seeds", "1", "--out", str(out), "--lomo-modes", "sentinel", "--lomo-arms",
+            "none,erase", "--proj.pairs-per-problem", "2", "--run.steps", "1", *SMALL[2:]]
+    assert preregistered.main(argv) == 0
+    printed = capsys.readouterr().out
+    md = (out / "report.md").read_text()
+    assert "[main](main/report.md)" in md and "[lomo-sentinel](lomo-sentinel/report.md)" in md
+    for arm in experiment.ARMS:  # one table of every arm and fold
+        assert f"| {arm} | 1 |" in md and (out / "main" / f"{arm}-s0" / "summary.json").is_file()
+    assert "| erase (without sentinel) | 1 |" in md and "### lomo-sentinel" in md
+    assert (out / "main" / "report.md").is_file() and (out / "lomo-sentinel" / "curves.png").is_file()
+    assert json.loads((out / "lomo-sentinel" / "sweep.json").read_text())["lomo"] == "sentinel"
+    assert "| none (without sentinel) | 1 |" in printed
+    assert preregistered.main(argv) == 0  # resumes: every run finished, so all are skipped
+    n = len(experiment.ARMS) + 2
+    assert f"trained 0, resumed 0, skipped {n} as finished" in (out / "report.md").read_text()
