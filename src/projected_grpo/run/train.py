@@ -35,7 +35,7 @@ from projected_grpo.objective.losses import (
     masked_mean,
 )
 from projected_grpo.objective.teacher import TEACHER_MODES
-from projected_grpo.run import batches, checkpoint, metrics, setup
+from projected_grpo.run import batches, checkpoint, dpo, metrics, ppo, setup
 from projected_grpo.run.pool import PoolCursor, PromptCursor
 from projected_grpo.run.rollout import forward_logprobs, pack, pad_right, sample_and_grade
 from projected_grpo.run.row import eval_rates, step_row
@@ -272,10 +272,16 @@ def train(cfg: C.Config) -> dict:
 
 # --- CLI: projected-grpo train ------------------------------------------------------------------------
 
+# loss.algo -> the RL loop (docs/architecture.md, "To add an algorithm")
+LOOPS = {"grpo": train, "ppo": ppo.train_ppo}
+
+
 def main(argv: list[str]) -> int:
-    """`projected-grpo train`: parse (presets.parse), run, print the summary."""
+    """`projected-grpo train`: parse (presets.parse), a DPO pass first when dpo.before, the loop loss.algo
+    names (LOOPS), print the summary."""
     cfg, _ = presets.parse(argv, prog="projected-grpo train")
-    train(cfg)
+    dpo.pass_before(cfg)
+    LOOPS[cfg.loss.algo](cfg)
     return 0
 
 

@@ -42,6 +42,11 @@ ARMS: dict[str, dict[str, dict]] = {
     "gt_penalty": {"proj": {"arm": "none", "control": "none"}, "env": {"hack_penalty": 2.0}},
     # positive control (ground truth): the oracle's verdict in the grader's place, what honest solving reaches
     "gt_reward": {"proj": {"arm": "none", "control": "none"}, "env": {"reward_from": "oracle"}},
+    # the other algorithms a reviewer would ask projection to beat (seed 004), no projection: PPO with a
+    # critic in GRPO's place; a DPO pass against V_hack's hacks (clean chosen, hack rejected) into
+    # <run>/dpo, then GRPO from its knobs, in the same `train` process (run/dpo.py pass_before)
+    "ppo": {"proj": {"arm": "none", "control": "none"}, "loss": {"algo": "ppo"}},
+    "dpo_then_grpo": {"proj": {"arm": "none", "control": "none"}, "dpo": {"before": True}},
 }
 DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route")
 LOMO_PAIRS_FILE = "lomo_pairs.jsonl"
@@ -235,7 +240,7 @@ class ExperimentOpts(presets.Base):
 
     arms: str = "none,erase,route"
     """comma-separated arms (experiment.ARMS): none, erase, route, random_V, shuffled_V, nonhack_V,
-    gt_penalty"""
+    gt_penalty, gt_reward, ppo, dpo_then_grpo"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
     out: str = ""
