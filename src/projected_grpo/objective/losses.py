@@ -352,7 +352,9 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     _check_same("explained_variance", values=values, returns=returns)
     _check_mask(mask, values.shape, "explained_variance")
     v, r = values.detach(), returns.detach()
-    return 1.0 - _masked_var(r - v, mask, unbiased=False) / _masked_var(r, mask, unbiased=False)
+    var_r = _masked_var(r, mask, unbiased=False)
+    ev = 1.0 - _masked_var(r - v, mask, unbiased=False) / var_r.clamp_min(torch.finfo(r.dtype).tiny)
+    return torch.where(var_r > 0, ev, torch.full_like(ev, float("nan")))
 
 
 # --- DPO family from sequence log-probs (N,) of chosen / rejected ---------------------------------

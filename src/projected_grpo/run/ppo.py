@@ -173,6 +173,53 @@ def update(cfg: C.Config, model, knobs, head, tok, samples, idx: torch.Tensor, o
     return acc, split
 
 
+def make_optimizer(cfg: C.Config, knobs, head: ValueHead) -> torch.optim.AdamW:
+    """AdamW over three groups, knobs, quarantine knobs and value head (its own peak lr, ppo.value_lr)."""
+    return torch.optim.AdamW([{"params": knobs.parameters(), "peak": cfg.optim.lr},
+                              {"params": knobs.hack_parameters(), "peak": cfg.optim.lr},
+                              {"params": list(head.parameters()), "peak": cfg.ppo.value_lr}],
+                             lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                             weight_decay=cfg.optim.weight_decay)
+
+
+def optimize(cfg: C.Config, model, knobs, head: ValueHead, opt, tok, samples, rewards: torch.Tensor,
+             V_hack: dict, step: int) -> tuple[list[dict[str, float]], Scored, torch.Tensor, dict]:
+    """PPO's update on one batch: score it, GAE, then ppo.epochs x ppo.minibatches optimizer updates, each
+    projected, clipped and stepped as in train.py. rewards (N,), one per sample. Returns (each update's stats
+    in order, the scored batch, adv (N, T), the rollout's GAE stats)."""
+    old = score(cfg, model, knobs, head, tok, samples)
+    adv, returns, gae_stats = advantages(cfg, rewards, old)
+    grad_arm = cfg.proj.arm if cfg.proj.target in ("grad", "both") else "none"
+    update_arm = cfg.proj.arm if cfg.proj.target in ("update", "both") else "none"
+    params = knobs.parameters() + knobs.hack_parameters()
+    clip = cfg.optim.clip_norm or math.inf
+    updates = []
+    for epoch in range(cfg.ppo.epochs):
+        perm = torch.randperm(len(samples), generator=torch.Generator().manual_seed(
+            step_seed(cfg.run.seed, step, "ppo", epoch)))
+        for idx in torch.tensor_split(perm, min(cfg.ppo.minibatches, len(samples))):
+            opt.zero_grad(set_to_none=True)
+            stats, split = update(cfg, model, knobs, head, tok, samples, idx, old, adv, returns, step)
+            session.check_finite(step, "gradient", {"student": split.g_student, "teacher": split.g_teacher})
+            st = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate, cfg.proj.overshoot,
+                                      cfg.proj.preserve_magnitude, split=split)
+            st["grad/norm"] = torch.nn.utils.clip_grad_norm_(params, clip)
+            # the head's gradient is the value loss's alone: clipped on its own scale
+            st["value/grad_norm"] = torch.nn.utils.clip_grad_norm_(head.parameters(), clip)
+            if cfg.proj.purge_moments and cfg.proj.arm != "none":
+                st |= projection.purge_moments(opt, knobs, V_hack,
+                                               "no_gate" if cfg.proj.gate == "no_gate" else "one_sided")
+            before = projection.snapshot(knobs)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, peak=group["peak"], total=cfg.run.steps,
+                                    warmup=cfg.optim.warmup_steps, floor_frac=cfg.optim.min_lr_frac)
+            opt.step()
+            st |= projection.project_update(knobs, before, V_hack, update_arm, cfg.proj.gate,
+                                            cfg.proj.overshoot, cfg.proj.preserve_magnitude)
+            updates.append(stats | {k: float(v) for k, v in st.items()})
+    return updates, old, adv, gae_stats
+
+
 def train_ppo(cfg: C.Config) -> dict:
     """Run PPO as configured; returns the end-of-run summary (also written to run_dir/summary.json)."""
     if cfg.proj.refresh_every:
@@ -185,11 +232,7 @@ def train_ppo(cfg: C.Config) -> dict:
     head = ValueHead(model.config.hidden_size, device=cfg.model.device)
     with contextlib.closing(setup.make_env(cfg)) as env:
         data = session.open_data(cfg, env, tok, run_dir)
-        params = knobs.parameters() + knobs.hack_parameters()
-        peaks = (cfg.optim.lr, cfg.optim.lr, cfg.ppo.value_lr)  # per param group: knobs, quarantine, head
-        opt = torch.optim.AdamW([{"params": knobs.parameters()}, {"params": knobs.hack_parameters()},
-                                 {"params": list(head.parameters())}], lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        opt = make_optimizer(cfg, knobs, head)
         if ck is not None:
             ck.load_knobs(knobs)
             head.load_state(ck.extra, where=f"checkpoint {ck.path}")
@@ -206,63 +249,29 @@ def train_ppo(cfg: C.Config) -> dict:
         print(f"run {run_dir} from step {start} | PPO, {cfg.ppo.epochs} epochs x {cfg.ppo.minibatches} "
               f"minibatches | arm {cfg.proj.arm} ({cfg.proj.target}) | teacher {cfg.loss.teacher} | "
               f"G_s {cfg.rollout.G_s} + G_t {cfg.rollout.G_t} | {v_line}", file=sys.stderr)
-        grad_arm = cfg.proj.arm if cfg.proj.target in ("grad", "both") else "none"
-        update_arm = cfg.proj.arm if cfg.proj.target in ("update", "both") else "none"
-        lr = lambda s, peak: lr_at(s, peak=peak, total=cfg.run.steps,
-                                   warmup=cfg.optim.warmup_steps, floor_frac=cfg.optim.min_lr_frac)
-
         t_mark = time.perf_counter()
         steps = batches.batches(cfg, model, knobs, tok, env, data.problems, data.prompt_ids, data.cursors,
                                 data.pool_cur, start)
         for batch in steps:
-            step, samples = batch.step, batch.samples
+            step = batch.step
             t0 = time.perf_counter()
-            old = score(cfg, model, knobs, head, tok, samples)
-            adv, returns, stats0 = advantages(cfg, batch.rewards.reshape(-1), old)
-            acc: dict[str, float] = {}
-            n_updates = 0
-            for epoch in range(cfg.ppo.epochs):
-                gen = torch.Generator().manual_seed(step_seed(cfg.run.seed, step, "ppo", epoch))
-                perm = torch.randperm(len(samples), generator=gen)
-                for idx in torch.tensor_split(perm, min(cfg.ppo.minibatches, len(samples))):
-                    opt.zero_grad(set_to_none=True)
-                    mb_stats, split = update(cfg, model, knobs, head, tok, samples, idx, old, adv, returns,
-                                             step)
-                    session.check_finite(step, "gradient", {"student": split.g_student,
-                                                            "teacher": split.g_teacher})
-                    st = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate, cfg.proj.overshoot,
-                                              cfg.proj.preserve_magnitude, split=split)
-                    st["grad/norm"] = torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_norm or math.inf)
-                    # the head's gradient is the value loss's alone: clipped on its own scale
-                    st["value/grad_norm"] = torch.nn.utils.clip_grad_norm_(head.parameters(),
-                                                                           cfg.optim.clip_norm or math.inf)
-                    if cfg.proj.purge_moments and cfg.proj.arm != "none":
-                        st |= projection.purge_moments(opt, knobs, V_hack, "no_gate" if cfg.proj.gate ==
-                                                       "no_gate" else "one_sided")
-                    before = projection.snapshot(knobs)
-                    for group, peak in zip(opt.param_groups, peaks):
-                        group["lr"] = lr(step, peak)
-                    opt.step()
-                    st |= projection.project_update(knobs, before, V_hack, update_arm, cfg.proj.gate,
-                                                    cfg.proj.overshoot, cfg.proj.preserve_magnitude)
-                    for k, v in [*mb_stats.items(), *((k, float(v)) for k, v in st.items())]:
-                        acc[k] = acc.get(k, 0.0) + v
-                    n_updates += 1
+            updates, old, adv, gae_stats = optimize(cfg, model, knobs, head, opt, tok, batch.samples,
+                                                    batch.rewards.reshape(-1), V_hack, step)
             t_bwd = time.perf_counter() - t0
-            means = {k: v / n_updates for k, v in acc.items()}
+            means = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
             grad_norm = means.pop("grad/norm")
-            if not math.isfinite(float(stats0["value/explained_var"])):  # Var(returns) = 0: undefined
-                del stats0["value/explained_var"]
+            if not math.isfinite(float(gae_stats["value/explained_var"])):  # Var(returns) = 0: undefined
+                del gae_stats["value/explained_var"]
             extra: dict = {}
             if cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0:
                 extra |= eval_rates(batches.eval_grades(cfg, model, knobs, tok, env,
                                                         data.sets.get("eval", data.sets["train"]),
                                                         data.prompt_ids))
-            row = step_row(batch, per_sequence(adv, old.mask, batch.rewards.shape), {
-                **reward_stats(batch, per_sequence(adv, old.mask, batch.rewards.shape)),
-                **{k: v for k, v in stats0.items() if k != "adv/mean"}, **means},
-                lr=lr(step, cfg.optim.lr), grad_norm=grad_norm, knob_norms=knobs.norms(),
-                teacher_mode=cfg.loss.teacher, t_backward=t_bwd) | extra
+            adv_seq = per_sequence(adv, old.mask, batch.rewards.shape)
+            gae_stats.pop("adv/mean")  # the row's adv/* are per sequence (reward_stats)
+            row = step_row(batch, adv_seq, {**reward_stats(batch, adv_seq), **gae_stats, **means},
+                           lr=opt.param_groups[0]["lr"], grad_norm=grad_norm, knob_norms=knobs.norms(),
+                           teacher_mode=cfg.loss.teacher, t_backward=t_bwd) | extra
             row["groups/skipped"] = 0.0  # PPO trains on every group: the critic is the baseline
             for k in metrics.REQUIRED_METRICS:
                 row.setdefault(k, 0.0)
