@@ -124,7 +124,8 @@ def fixed_batch(tmp_path_factory):
     root = tmp_path_factory.mktemp("ppo_batch")
     cfg = small(root, "r", env={"name": "maths", "problems": "arithmetic", "max_problems": 4},
                 rollout={"prompts_per_step": 2, "mix": 0.0, "max_new_tokens": 8},
-                ppo={"epochs": 6, "minibatches": 1, "ent_coef": 0.0}, optim={"lr": 0.05, "min_lr_frac": 1.0})
+                ppo={"epochs": 6, "minibatches": 1, "ent_coef": 0.0, "lr": 0.05},
+                optim={"min_lr_frac": 1.0})
     model, tok = setup.load_model(cfg)
     with contextlib.closing(setup.make_env(cfg)) as env:
         problems = env.problem_sets()["train"][:2]

@@ -36,13 +36,16 @@ class PPOCfg:
     policy (seed 004), `ref` the reference (knobs zeroed); kl/mean always measures against the reference"""
     whiten: bool = True
     """normalise the GAE advantages to mean 0, std 1 over each batch's completion tokens (TRL's PPO)"""
+    lr: float = 0.0
+    """peak AdamW learning rate of the knobs under PPO; 0 = optim.lr / (epochs · minibatches), the same
+    total step per batch as GRPO's one update (a preset's lr is tuned for one)"""
     value_lr: float = 1e-2
     """peak AdamW learning rate of the value head (on the policy's warm-up + cosine schedule)"""
 
     def __post_init__(self) -> None:
         check_literals(self)
         check_positive(self, "epochs", "minibatches", "vf_clip", "value_lr")
-        check_positive(self, "vf_coef", "ent_coef", allow_zero=True)
+        check_positive(self, "vf_coef", "ent_coef", "lr", allow_zero=True)
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise UserError(f"config: PPOCfg.gamma={self.gamma!r}, lam={self.lam!r} must be in [0, 1]")
 

@@ -153,6 +153,7 @@ def train_dpo(cfg: C.Config) -> dict:
         start = ck.step if ck is not None else 0
         metrics.truncate_to(run_dir, start - 1)
         logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+        bar = metrics.Progress(cfg.dpo.steps, initial=start, desc="dpo")
         print(f"run {run_dir} from step {start} | DPO ({cfg.dpo.loss}, beta {cfg.dpo.beta}) on {len(fit)} "
               f"pairs, {len(held)} held out | arm {cfg.proj.arm} | {v_line}", file=sys.stderr)
         grad_arm = cfg.proj.arm if cfg.proj.target in ("grad", "both") else "none"
@@ -196,11 +197,12 @@ def train_dpo(cfg: C.Config) -> dict:
             row |= {"loss/dpo": float(loss.detach()), **stats, "lr": lr, "grad/norm": grad_norm,
                     **{k: float(v) for k, v in knobs.norms().items()},
                     "time/step": time.perf_counter() - t_mark}
-            logger.log(step, row)
+            bar.update(logger.log(step, row))
             if (step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == cfg.dpo.steps:
                 checkpoint.save_checkpoint(run_dir, step + 1, knobs=knobs, V_hack=V_hack, optimizer=opt,
                                            cursors={}, config=cfg.to_dict())
             t_mark = time.perf_counter()
+        bar.close()
         logger.close()
     knobs.save(run_dir / setup.KNOBS_FILE)
     return _summary(cfg, run_dir, n_fit=len(fit), n_heldout=len(held), v_hack=v_line)

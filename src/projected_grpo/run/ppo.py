@@ -173,12 +173,19 @@ def update(cfg: C.Config, model, knobs, head, tok, samples, idx: torch.Tensor, o
     return acc, split
 
 
+def knob_lr(cfg: C.Config) -> float:
+    """Peak learning rate of the knobs: ppo.lr, else optim.lr spread over the batch's updates (Adam's step is
+    about lr per coordinate whatever the gradient's scale, so epochs x minibatches updates at optim.lr would
+    move the knobs that many times as far as GRPO's one update per batch)."""
+    return cfg.ppo.lr or cfg.optim.lr / (cfg.ppo.epochs * cfg.ppo.minibatches)
+
+
 def make_optimizer(cfg: C.Config, knobs, head: ValueHead) -> torch.optim.AdamW:
-    """AdamW over three groups, knobs, quarantine knobs and value head (its own peak lr, ppo.value_lr)."""
-    return torch.optim.AdamW([{"params": knobs.parameters(), "peak": cfg.optim.lr},
-                              {"params": knobs.hack_parameters(), "peak": cfg.optim.lr},
+    """AdamW over three groups, knobs, quarantine knobs and value head, each with its own peak lr ("peak")."""
+    return torch.optim.AdamW([{"params": knobs.parameters(), "peak": knob_lr(cfg)},
+                              {"params": knobs.hack_parameters(), "peak": knob_lr(cfg)},
                               {"params": list(head.parameters()), "peak": cfg.ppo.value_lr}],
-                             lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
+                             lr=knob_lr(cfg), betas=cfg.optim.betas, eps=cfg.optim.eps,
                              weight_decay=cfg.optim.weight_decay)
 
 
