@@ -8,6 +8,7 @@ Run: .venv/bin/pytest -q tests/test_ppo.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import pathlib
@@ -152,6 +153,21 @@ def test_epochs_move_the_ratio_the_clip_bites_and_the_loss_falls(fixed_batch):
     # the same batch each time: the surrogate and the value loss fall
     assert last["loss/policy"] < first["loss/policy"] and last["loss/value"] < first["loss/value"]
     assert all(math.isfinite(v) for u in updates for v in u.values())
+
+
+def test_teacher_rows_keep_the_scoring_policy_as_logp_old_so_their_ratio_moves_too(fixed_batch):
+    cfg, samples, rewards = fixed_batch
+    teachers = [dataclasses.replace(s, student=(i % 4 != 3)) for i, s in enumerate(samples)]  # 1 in 4
+    model, tok = setup.load_model(cfg)
+    knobs = setup.wrap_knobs(cfg, model)
+    head = ValueHead(model.config.hidden_size)
+    updates, *_ = ppo.optimize(cfg, model, knobs, head, ppo.make_optimizer(cfg, knobs, head), tok, teachers,
+                               rewards, {}, step=0)
+    ratios = [u["teacher/ratio_mean"] for u in updates]
+    # imitation recomputes logp_old on the current policy; across epochs it stays the scoring policy's, so
+    # the teacher rows' ratio starts at 1 and then moves (and the clip can bound them, as it does students)
+    assert abs(ratios[0] - 1.0) < 1e-5 and max(abs(r - 1.0) for r in ratios[1:]) > 1e-3
+    assert all(u["teacher/is_weight_mean"] == 1.0 for u in updates)
 
 
 def test_minibatches_split_the_batch_and_one_epoch_of_one_minibatch_is_on_policy(fixed_batch):

@@ -23,8 +23,9 @@ class PPOCfg:
     """optimizer updates per epoch: the batch's B·G sequences, shuffled (seeded), in this many minibatches"""
     gamma: float = 1.0
     """GAE discount γ per completion token (Schulman et al. 2016)"""
-    lam: float = 0.95
-    """GAE λ: 1 gives the return minus V (Monte Carlo), 0 one-step TD"""
+    lam: float = 1.0
+    """GAE λ: 1 gives the return minus V (unbiased whatever the critic; verl's default), 0 one-step TD; TRL
+    uses 0.95 with a full value model, our critic is a linear probe (docs/losses.md)"""
     vf_coef: float = 0.5
     """coefficient of the clipped value loss"""
     vf_clip: float = 0.2

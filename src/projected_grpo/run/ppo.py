@@ -8,8 +8,9 @@ al. 2016), whitened -> ppo.epochs passes over ppo.minibatches seeded-shuffled mi
 update each (`update`): clipped surrogate + β·KL (to the old policy or the reference) + entropy bonus on the
 knobs, clipped value loss on the value head (knobs/value_head.py), then the projection arm, clipping, AdamW
 and the update projection exactly as train.py does them -> one metrics row, the means over the updates ->
-checkpoint (value head in its extra file). Teacher rows follow loss.teacher as in GRPO: their logp_old is
-the mode's (ratio 1 under imitation / importance), so only student ratios move across epochs.
+checkpoint (value head in its extra file). Teacher rows follow loss.teacher as in GRPO (its weight: 1, the
+truncated π/μ, or 0); their logp_old, like the students', is the policy that scored the batch, so the clip
+bounds them across epochs too (with one update it is GRPO's: the current policy, ratio 1).
 Deterministic given the seed on CPU; --resume continues bit for bit. Formulas: docs/losses.md section 6.
 """
 
@@ -119,6 +120,7 @@ def update(cfg: C.Config, model, knobs, head, tok, samples, idx: torch.Tensor, o
     the minibatch's own Denominators (one optimizer update). Returns (token-weighted stats, the knob
     gradient's per-source split)."""
     n_tok = int(old.mask[idx].sum())
+    n_tok_t = float((old.mask[idx] * ~old.is_student[idx, None]).sum())
     denoms = Denominators(n_seqs=len(idx), n_tokens=n_tok, const=float(len(idx) * cfg.rollout.max_new_tokens))
     agg = AGGREGATIONS[cfg.loss.aggregation]
     acc: dict[str, float] = {}
@@ -135,9 +137,11 @@ def update(cfg: C.Config, model, knobs, head, tok, samples, idx: torch.Tensor, o
         with knobs.capture(st) as cap:
             logp, entropy, values = forward_with_values(model, head, seqs,
                                                         temperature=cfg.rollout.temperature)
-            logp_old_t, weight, t_stats = TEACHER_MODES[cfg.loss.teacher](logp, at(old.logp_b), st, mask,
-                                                                         cfg.loss.is_trunc)
-            logp_old = torch.where(st[:, None], at(old.logp_old), logp_old_t)  # students: pre-update policy
+            # the mode's weight; its logp_old (the current policy) becomes, across epochs, the policy that
+            # scored the batch, for every row: the proximal policy of decoupled PPO (Hilton et al. 2021)
+            _, weight, t_stats = TEACHER_MODES[cfg.loss.teacher](logp, at(old.logp_b), st, mask,
+                                                                cfg.loss.is_trunc)
+            logp_old = at(old.logp_old)
             pg_tok, clip_stats = clip_surrogate(logp, logp_old, at(adv), mask, eps_low=cfg.loss.eps_low,
                                                 eps_high=cfg.loss.eps_high)
             kl_tok, kl_stats = KL_ESTIMATORS[cfg.loss.kl](logp, at(old.logp_ref), mask, logp_old=logp_old)
@@ -157,8 +161,8 @@ def update(cfg: C.Config, model, knobs, head, tok, samples, idx: torch.Tensor, o
             sum(losses.values()).backward()
         split = cap if split is None else split + cap
         w = float(mask.sum()) / n_tok
-        # k3 of pi_old vs pi on student tokens, cleanrl's approx_kl (r - 1) - log r, r = pi / pi_old; teacher
-        # ratios are their mode's (1), so they would only dilute it
+        # k3 of pi_old vs pi on student tokens (the policy's own samples), cleanrl's approx_kl
+        # (r - 1) - log r, r = pi / pi_old
         log_r = (logp - logp_old).detach()
         m_s = mask * st[:, None]
         kl_old[0] += float(zero_pad(torch.expm1(log_r) - log_r, m_s).sum())
@@ -166,7 +170,10 @@ def update(cfg: C.Config, model, knobs, head, tok, samples, idx: torch.Tensor, o
         means = {**clip_stats, **kl_stats, **ent_stats, **vf_stats}
         parts = [(k, w * float(v)) for k, v in means.items()]
         parts += [(k, float(v.detach())) for k, v in losses.items()]
-        parts += [(k, w * float(v)) for k, v in t_stats.items() if k != "teacher/mode"]
+        m_t = mask * ~st[:, None]  # teacher tokens; their ratio: the surrogate's pi / pi_old
+        t_stats["teacher/ratio_mean"] = zero_pad(torch.exp(log_r), m_t).sum() / m_t.sum().clamp(min=1.0)
+        w_t = float(m_t.sum()) / max(1.0, n_tok_t)  # teacher stats: weighted by teacher tokens, as train.py
+        parts += [(k, w_t * float(v)) for k, v in t_stats.items() if k != "teacher/mode"]
         for k, v in parts:
             acc[k] = acc.get(k, 0.0) + v
     acc["ppo/approx_kl"] = kl_old[0] / max(1.0, kl_old[1])
