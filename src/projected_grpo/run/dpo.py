@@ -43,7 +43,10 @@ def load_dpo_pairs(cfg: C.Config, env, tok, problems: Sequence, run_dir: pathlib
     from the teacher pool (pool.path, else template rows built into run_dir/pool.jsonl) with detector E of
     every mode trained on; else a JSON/JSONL pairs file. Pair.hack is the rejected side, Pair.clean chosen."""
     if not cfg.dpo.pairs:
-        return setup.v_pairs(cfg, env, problems)
+        if not (found := setup.v_pairs(cfg, env, problems)):
+            raise UserError(f"dpo: environment {env.name!r} has no hack and clean templates to pair; give "
+                            "--dpo.pairs FILE (JSON/JSONL with prompt, hack, clean)")
+        return found
     if cfg.dpo.pairs != "pool":
         return PR.load_pairs_file(cfg.dpo.pairs)
     path = pathlib.Path(cfg.pool.path or run_dir / "pool.jsonl")
