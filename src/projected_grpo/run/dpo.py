@@ -127,6 +127,9 @@ def _loss(cfg: C.Config, logp, ref) -> tuple[torch.Tensor, dict[str, float]]:
 def train_dpo(cfg: C.Config) -> dict:
     """Run DPO as configured; returns the summary (also in run_dir/summary.json); final knobs in
     run_dir/knobs.safetensors (setup.KNOBS_FILE)."""
+    if cfg.proj.refresh_every:
+        raise UserError("config: proj.refresh_every (online V_hack refresh) is run by the GRPO loop only; "
+                        "for DPO set it to 0")
     cfg, ck = session.open_run(cfg, "dpo")
     run_dir = pathlib.Path(cfg.run.dir)
     model, tok = setup.load_model(cfg)
@@ -180,6 +183,9 @@ def train_dpo(cfg: C.Config) -> dict:
                                         cfg.proj.preserve_magnitude)
             stats |= {k: float(v) for k, v in proj.items()}
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_norm or math.inf))
+            if cfg.proj.purge_moments and cfg.proj.arm != "none":  # the Adam bypass, as train.py closes it
+                gate = "no_gate" if cfg.proj.gate == "no_gate" else "one_sided"
+                stats |= {k: float(v) for k, v in projection.purge_moments(opt, knobs, V_hack, gate).items()}
             lr = lr_at(step, peak=cfg.dpo.lr, total=cfg.dpo.steps, warmup=cfg.optim.warmup_steps,
                        floor_frac=cfg.optim.min_lr_frac)
             for group in opt.param_groups:
