@@ -337,3 +337,19 @@ def test_smoke_leave_one_mode_out(tmp_path, monkeypatch):
     pool_modes = {json.loads(line)["mode"] for line in pool_rows}
     assert pool_modes and "sentinel" not in pool_modes
     assert "`sentinel` held out of the teacher pool" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_smoke_sweep_with_the_ppo_and_dpo_then_grpo_baselines(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "sweep"
+    argv = ["--preset", "smoke", "--arms", "none,ppo,dpo_then_grpo", "--out", str(out), "--run.steps", "1",
+            "--dpo.steps", "2", "--dpo.sample-n", "1", "--ppo.epochs", "2"]
+    assert experiment.main(argv) == 0
+    assert json.loads((out / "ppo-s0" / "summary.json").read_text())["algo"] == "ppo"
+    assert (out / "dpo_then_grpo-s0" / "dpo" / "knobs.safetensors").is_file()  # the pass ran in the run dir
+    md = (out / "report.md").read_text()
+    assert "| ppo | 1 |" in md and "| dpo_then_grpo | 1 |" in md and "dpo.before=True" in md
+    capsys.readouterr()
+    assert experiment.main(argv) == 0  # a rerun skips all three, the DPO pass included
+    assert capsys.readouterr().err.count("skipped, summary.json") == 3

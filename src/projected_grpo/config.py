@@ -11,29 +11,13 @@ imports torch.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
+from projected_grpo.config_algos import DPOCfg, PPOCfg
+from projected_grpo.configio import check_literals as _check
+from projected_grpo.configio import check_positive as _positive
 from projected_grpo.errors import UserError
-
-
-def _check(obj: object) -> None:
-    """Check every `Literal[...]` field of dataclass `obj` against its allowed values (one-line errors)."""
-    hints = typing.get_type_hints(type(obj))
-    for f in dataclasses.fields(obj):
-        hint = hints[f.name]
-        if typing.get_origin(hint) is Literal and getattr(obj, f.name) not in typing.get_args(hint):
-            raise UserError(f"config: {type(obj).__name__}.{f.name}={getattr(obj, f.name)!r} is not one of "
-                             f"{list(typing.get_args(hint))}")
-
-
-def _positive(obj: object, *names: str, allow_zero: bool = False) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value < 0 or (value == 0 and not allow_zero):
-            raise UserError(f"config: {type(obj).__name__}.{name}={value!r} must be "
-                             f"{'>= 0' if allow_zero else '> 0'}")
 
 
 @dataclass(frozen=True)
@@ -62,6 +46,9 @@ class ModelCfg:
     grad_checkpointing: bool = False
     """recompute each decoder layer's activations in the backward (knobs/checkpointing.py): much less
     activation memory for ~20% more compute; per-source gradient capture is unaffected"""
+    init_knobs: str = ""
+    """knob file (Knobs.save, e.g. a `projected-grpo dpo` run's knobs.safetensors) the knobs start from
+    instead of zero; the reference stays the base model (knobs zeroed) and V_hack is extracted at zero"""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -199,6 +186,9 @@ class PoolCfg:
 
 @dataclass(frozen=True)
 class LossCfg:
+    algo: Literal["grpo", "ppo"] = "grpo"
+    """RL loop of `projected-grpo train`: `grpo` group advantages (run/train.py), `ppo` a value head with
+    GAE and several epochs of minibatches per batch (run/ppo.py, section `ppo`)"""
     advantage: Literal["grpo", "dr_grpo", "rloo", "batch_std"] = "dr_grpo"
     """advantage estimator, advantages.ADVANTAGES[name]"""
     aggregation: Literal["grpo", "bnpo", "dapo", "dr_grpo"] = "dr_grpo"
@@ -350,12 +340,19 @@ class Config:
     """AdamW, warmup + cosine, clipping"""
     run: RunCfg = field(default_factory=RunCfg)
     """steps, seed, run directory, checkpoints, logging"""
+    ppo: PPOCfg = field(default_factory=PPOCfg)
+    """PPO with a critic (loss.algo ppo): epochs, minibatches, GAE, value loss, entropy bonus"""
+    dpo: DPOCfg = field(default_factory=DPOCfg)
+    """DPO on (prompt, chosen, rejected) pairs: `projected-grpo dpo`, or a pass before RL (dpo.before)"""
 
     def __post_init__(self) -> None:
         # the smoke model's 512-token vocabulary turns LeetCode's long prompts into more positions than it has
         if self.model.source == "smoke" and self.env.name == "coding" and self.env.problems != "builtin":
             raise UserError("config: model.source='smoke' is built for the built-in coding problems; set "
                             "env.problems='builtin' or use another model")
+        if self.dpo.before and self.model.init_knobs:
+            raise UserError("config: dpo.before starts the knobs from the DPO pass; model.init_knobs="
+                            f"{self.model.init_knobs!r} would be a second start: set one of them")
 
     def to_dict(self) -> dict:
         """Plain JSON-able nested dict (tuples become lists)."""

@@ -1,5 +1,6 @@
 """Reading a Config from JSON (a run's config.json, --config FILE): every field type-checked, every error
-naming the file and the field. Kept apart from config.py, which is the schema itself."""
+naming the file and the field; and the two field checks every section's __post_init__ uses. Kept apart
+from config.py, which is the schema itself."""
 
 from __future__ import annotations
 
@@ -9,6 +10,25 @@ import pathlib
 import typing
 
 from projected_grpo.errors import UserError
+
+
+def check_literals(obj: object) -> None:
+    """Check every `Literal[...]` field of dataclass `obj` against its allowed values (one-line errors)."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        hint = hints[f.name]
+        if typing.get_origin(hint) is typing.Literal and getattr(obj, f.name) not in typing.get_args(hint):
+            raise UserError(f"config: {type(obj).__name__}.{f.name}={getattr(obj, f.name)!r} is not one of "
+                             f"{list(typing.get_args(hint))}")
+
+
+def check_positive(obj: object, *names: str, allow_zero: bool = False) -> None:
+    """Each named numeric field of dataclass `obj` is > 0 (>= 0 with allow_zero), else a one-line error."""
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0 or (value == 0 and not allow_zero):
+            raise UserError(f"config: {type(obj).__name__}.{name}={value!r} must be "
+                             f"{'>= 0' if allow_zero else '> 0'}")
 
 
 def config_from_dict(cls, d: dict, where: str = "config"):

@@ -1,4 +1,5 @@
-"""Token losses, KL estimators, loss aggregations, PPO pieces (GAE, value loss, entropy bonus), DPO.
+"""Token losses, KL estimators, loss aggregations, PPO pieces (GAE, value loss, entropy bonus, advantage
+whitening, explained variance), DPO.
 
 Pure tensor functions returning `(value, stats)` with stats detached. Token-level pieces return a
 per-token loss `loss_tok (N, T)`; exactly one aggregation from `AGGREGATIONS` turns it into the scalar,
@@ -324,6 +325,36 @@ def entropy_bonus(entropy: torch.Tensor, mask: torch.Tensor, *, coef: float) -> 
     """
     _check_mask(mask, entropy.shape, "entropy_bonus")
     return -coef * entropy, {"entropy/mean": masked_mean(entropy.detach(), mask)}
+
+
+def _masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    n = m.sum()
+    var = zero_pad((x - masked_mean(x, mask)) ** 2, mask).sum() / n
+    return var * n / (n - 1) if unbiased else var
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-8) -> tuple[torch.Tensor, Stats]:
+    """(x - mean) / sqrt(var + eps) over the masked tokens, Bessel-corrected var, as TRL's `masked_whiten`
+    whitens PPO's advantages; 0 at padding.  x, mask: (N, T) -> (N, T) detached, stats adv/raw_std."""
+    _check_mask(mask, x.shape, "whiten")
+    if int(mask.sum()) < 2:
+        raise ValueError("whiten: needs at least 2 masked tokens for an unbiased variance")
+    x = x.detach()
+    var = _masked_var(x, mask, unbiased=True)
+    return zero_pad((x - masked_mean(x, mask)) * torch.rsqrt(var + eps), mask), {"adv/raw_std": var.sqrt()}
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(R - V) / Var(R) over the masked tokens, population variances (cleanrl's PPO diagnostic):
+    1 = the critic predicts the returns, 0 = no better than their mean, < 0 = worse.  NaN when Var(R) = 0
+    (undefined).  values, returns, mask: (N, T) -> 0-d tensor, detached."""
+    _check_same("explained_variance", values=values, returns=returns)
+    _check_mask(mask, values.shape, "explained_variance")
+    v, r = values.detach(), returns.detach()
+    var_r = _masked_var(r, mask, unbiased=False)
+    ev = 1.0 - _masked_var(r - v, mask, unbiased=False) / var_r.clamp_min(torch.finfo(r.dtype).tiny)
+    return torch.where(var_r > 0, ev, torch.full_like(ev, float("nan")))
 
 
 # --- DPO family from sequence log-probs (N,) of chosen / rejected ---------------------------------

@@ -7,6 +7,7 @@ by the next save). `run_dir/latest` names the newest one for humans and scripts.
 by `Knobs.save` (safetensors with the base model's fingerprint, so a resume on another model is refused)
 and V_hack as safetensors (read back as aligned copies: store.py); optimizer and RNG states are
 torch.save'd and loaded with weights_only=True; cursors (data and pool positions) and the config are JSON.
+A loop with trained tensors beyond the knobs (PPO's value head) passes them as `extra` (extra.safetensors).
 
 Not here: what the cursors mean (batches.py, pool.py) or how knob tensors map onto modules (adapters.py).
 """
@@ -40,6 +41,8 @@ FILES: dict[str, str] = {
     "cursors.json": "data and pool cursors",
     "config.json": "resolved run config",
 }
+# written only when the loop has such tensors; a checkpoint without it loads with extra = {}
+EXTRA_FILE = "extra.safetensors"
 FORMAT_VERSION = 2  # 2: knobs via Knobs.save, V_hack in its own file, no scheduler
 
 
@@ -56,6 +59,7 @@ class Checkpoint:
     rng: dict
     cursors: dict
     config: dict
+    extra: dict[str, Tensor]
 
     def load_knobs(self, knobs) -> None:
         """Knob values into `knobs` (refused, naming the file, when saved for another model or knob)."""
@@ -136,10 +140,12 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> pathlib.Path | None:
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, *, knobs, V_hack: dict[str, Tensor], optimizer,
-                    cursors: dict, config: dict, keep_last: int | None = 3) -> pathlib.Path:
+                    cursors: dict, config: dict, keep_last: int | None = 3,
+                    extra: dict[str, Tensor] | None = None) -> pathlib.Path:
     """Write `run_dir/ckpt-<step:06d>` atomically, point `run_dir/latest` at it, keep the newest
-    `keep_last` checkpoints (None keeps all). The RNG states saved are the ones at call time, so call
-    this at the point the resumed run will continue from. Returns the checkpoint directory."""
+    `keep_last` checkpoints (None keeps all); `extra`: further trained tensors (e.g. a value head). The RNG
+    states saved are the ones at call time, so call this at the point the resumed run will continue from.
+    Returns the checkpoint directory."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"save_checkpoint: keep_last must be >= 1 or None, got {keep_last}")
     run_dir = pathlib.Path(run_dir)
@@ -161,6 +167,8 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, knobs, V_hack: dic
         save_tensors(tmp / "v_hack.safetensors", {f"V/{n}": v for n, v in V_hack.items()})
         _torch_save(optimizer.state_dict(), tmp / "optimizer.pt")
         _torch_save(rng_state(), tmp / "rng.pt")
+        if extra:
+            save_tensors(tmp / EXTRA_FILE, dict(extra))
         _json_dump(cursors, tmp / "cursors.json", "cursors")
         _json_dump(config, tmp / "config.json", "config")
         _json_dump({"step": int(step), "format": FORMAT_VERSION}, tmp / "meta.json", "meta")
@@ -215,4 +223,6 @@ def load_checkpoint(path: str | os.PathLike) -> Checkpoint:
         rng=_load_part(path / "rng.pt", read_torch),
         cursors=_load_part(path / "cursors.json", read_json),
         config=_load_part(path / "config.json", read_json),
+        extra=(_load_part(path / EXTRA_FILE, lambda p: load_tensors(p)[0]) if (path / EXTRA_FILE).is_file()
+               else {}),
     )

@@ -42,6 +42,13 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "proj/norm_removed", "proj/skipped", "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",
     "proj/v_overlap", "knob/norm", "completion/max_len", "eval/accuracy", "eval/hack", "eval/format",
     "hack/deploy", "solve/deploy", "format/deploy",
+    # PPO (run/ppo.py) and DPO (run/dpo.py)
+    "loss/value", "loss/entropy", "value/mean", "value/clip_frac", "value/returns_mean",
+    "value/explained_var", "value/grad_norm", "adv/raw_std", "ppo/approx_kl", "loss/dpo", "dpo/accuracy",
+    "dpo/reward_chosen",
+    "dpo/reward_rejected", "dpo/margin", "dpo/logp_chosen", "dpo/logp_rejected", "dpo/heldout_loss",
+    "dpo/heldout_margin", "dpo/heldout_accuracy", "dpo/hack_before", "dpo/solve_before", "dpo/format_before",
+    "dpo/hack_after", "dpo/solve_after", "dpo/format_after",
 })
 # summary.json: last-`last`-row means of these (issue 6 item 6)
 SUMMARY_KEYS: tuple[str, ...] = (

@@ -3,7 +3,8 @@
 Each function takes the whole `Config` and reads its fields as `cfg.<section>.<field>`:
   load_model     the policy and tokenizer (smoke model, embedded organism, or a Hugging Face directory)
   make_env       the environment named by env.name (ENVIRONMENTS), which owns its sandbox until close()
-  wrap_knobs     freeze the model, wrap its Linears in knobs
+  wrap_knobs     freeze the model, wrap its Linears in knobs (starting from model.init_knobs, or the DPO
+                 pass's knobs under dpo.before)
   prompt_table   problem id -> (chat-formatted prompt text, ids) through the environment's messages
   open_pool      the teacher pool: a given file, or built once from the environment's templates
   v_pairs, extract_settings, v_hack_path, resolve_v_hack   V_hack's inputs, cache key and cached extraction
@@ -12,6 +13,7 @@ Nothing here trains; the loop (train.py) calls these in order. docs/architecture
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import sys
 import time
@@ -93,10 +95,50 @@ def make_env(cfg: C.Config):
     return ENVIRONMENTS[cfg.env.name](cfg)
 
 
+DPO_DIR = "dpo"  # under dpo.before, the DPO pass's run directory inside the run's (run/dpo.py)
+KNOBS_FILE = "knobs.safetensors"  # a DPO run's final knobs (Knobs.save)
+
+
+def start_knobs(cfg: C.Config) -> str:
+    """The knob file the run starts from: the DPO pass's under dpo.before, else model.init_knobs ("": 0)."""
+    if cfg.dpo.before:
+        if not cfg.run.dir:
+            raise UserError("config: dpo.before puts the DPO pass in <run.dir>/dpo: pass --run-dir")
+        return str(pathlib.Path(cfg.run.dir) / DPO_DIR / KNOBS_FILE)
+    return cfg.model.init_knobs
+
+
 def wrap_knobs(cfg: C.Config, model) -> adapters.Knobs:
-    """Freeze `model` and wrap its target Linears in cfg.model.knob knobs (SVDs cached in the cache root)."""
-    return adapters.wrap(model, kind=cfg.model.knob, targets=cfg.model.targets or adapters.DEFAULT_TARGETS,
-                         rank=cfg.model.rank or None, cache_dir=cache_dir(cfg) / "svd", seed=cfg.run.seed)
+    """Freeze `model` and wrap its target Linears in cfg.model.knob knobs (SVDs cached in the cache root), set
+    to the values of `start_knobs(cfg)` when there is one (a file for another model is refused), with
+    gradient checkpointing when cfg.model.grad_checkpointing (every training loop gets it here)."""
+    knobs = adapters.wrap(model, kind=cfg.model.knob, targets=cfg.model.targets or adapters.DEFAULT_TARGETS,
+                          rank=cfg.model.rank or None, cache_dir=cache_dir(cfg) / "svd", seed=cfg.run.seed)
+    if path := start_knobs(cfg):
+        try:
+            knobs.load(path)
+        except ValueError as e:
+            raise UserError(f"{'dpo.before' if cfg.dpo.before else 'model.init_knobs'}: {e}") from e
+    if cfg.model.grad_checkpointing:  # recompute decoder activations in the backward; capture still works
+        knobs.gradient_checkpointing(True)
+    return knobs
+
+
+@contextlib.contextmanager
+def at_zero(knobs: adapters.Knobs):
+    """Context: every knob (main and quarantine) set to exactly zero, its values restored on exit. For work
+    defined at the base model whatever the knobs start from (V_hack's extraction, whose cache key names the
+    model, not knob values)."""
+    saved = {w: {n: v.clone() for n, v in knobs.values(w).items()} for w in ("main", "hack")}
+    try:
+        for w in saved:
+            for v in knobs.values(w).values():
+                v.zero_()
+        yield knobs
+    finally:
+        for w, values in saved.items():
+            for n, v in knobs.values(w).items():
+                v.copy_(values[n])
 
 
 def cache_dir(cfg: C.Config) -> pathlib.Path:
@@ -186,7 +228,8 @@ def resolve_v_hack(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequen
     if not path.exists():
         _log(f"V_hack: extracting from {len(pair_list)} pairs into {path} (first use of these inputs)")
     t0 = time.perf_counter()
-    found, status = direction.resolve(path, settings, model, knobs, tokenizer, pair_list)
+    with at_zero(knobs):  # model.init_knobs / dpo.before: still the base model's V_hack (its cache key)
+        found, status = direction.resolve(path, settings, model, knobs, tokenizer, pair_list)
     V, report = direction.postprocess(found.V, found.S, cfg.proj.k_use, cfg.proj.drop_bottom_frac)
     line = (f"V_hack {path} ({status}, {time.perf_counter() - t0:.0f} s): {sum(len(v) for v in V.values())} "
             f"rows in {len(V)} modules, dropped {report['dropped_modules']}")

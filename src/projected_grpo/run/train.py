@@ -37,7 +37,7 @@ from projected_grpo.objective.losses import (
     masked_mean,
 )
 from projected_grpo.objective.teacher import TEACHER_MODES
-from projected_grpo.run import batches, checkpoint, dist, metrics, setup
+from projected_grpo.run import batches, checkpoint, dist, dpo, metrics, ppo, setup
 from projected_grpo.run.pool import PoolCursor, PromptCursor
 from projected_grpo.run.rollout import forward_logprobs, pack, pad_right, sample_and_grade
 from projected_grpo.run.row import eval_rates, step_row
@@ -98,8 +98,6 @@ def train(cfg: C.Config) -> dict:
     with dist.main_first():
         model, tok = setup.load_model(cfg)
         knobs = setup.wrap_knobs(cfg, model)
-    if cfg.model.grad_checkpointing:  # recompute decoder activations in the backward; capture still works
-        knobs.gradient_checkpointing(True)
     with contextlib.closing(setup.make_env(cfg)) as env:
         sets = env.problem_sets()
         problems = {p.id: p for ps in sets.values() for p in ps}
@@ -296,10 +294,16 @@ def train(cfg: C.Config) -> dict:
 
 # --- CLI: projected-grpo train ------------------------------------------------------------------------
 
+# loss.algo -> the RL loop (docs/architecture.md, "To add an algorithm")
+LOOPS = {"grpo": train, "ppo": ppo.train_ppo}
+
+
 def main(argv: list[str]) -> int:
-    """`projected-grpo train`: parse (presets.parse), run, print the summary."""
+    """`projected-grpo train`: parse (presets.parse), a DPO pass first when dpo.before, the loop loss.algo
+    names (LOOPS), print the summary."""
     cfg, _ = presets.parse(argv, prog="projected-grpo train")
-    train(cfg)
+    dpo.pass_before(cfg)
+    LOOPS[cfg.loss.algo](cfg)
     return 0
 
 

@@ -44,6 +44,11 @@ ARMS: dict[str, dict[str, dict]] = {
     "gt_reward": {"proj": {"arm": "none", "control": "none"}, "env": {"reward_from": "oracle"}},
     # no teacher pool (mix 0): pure student GRPO, what the pool itself adds to the hacking
     "no_pool": {"proj": {"arm": "none", "control": "none"}, "rollout": {"mix": 0.0}},
+    # the other algorithms a reviewer would ask projection to beat (seed 004), no projection: PPO with a
+    # critic in GRPO's place; a DPO pass against V_hack's hacks (clean chosen, hack rejected) into
+    # <run>/dpo, then GRPO from its knobs, in the same `train` process (run/dpo.py pass_before)
+    "ppo": {"proj": {"arm": "none", "control": "none"}, "loss": {"algo": "ppo"}},
+    "dpo_then_grpo": {"proj": {"arm": "none", "control": "none"}, "dpo": {"before": True}},
 }
 DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route")
 LOMO_PAIRS_FILE = "lomo_pairs.jsonl"
@@ -248,7 +253,7 @@ class ExperimentOpts(presets.Base):
 
     arms: str = "none,erase,route"
     """comma-separated arms (experiment.ARMS): none, erase, route, random_V, shuffled_V, nonhack_V,
-    gt_penalty, gt_reward, no_pool"""
+    gt_penalty, gt_reward, no_pool, ppo, dpo_then_grpo"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
     out: str = ""
