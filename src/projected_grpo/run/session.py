@@ -6,8 +6,8 @@
   cursor_state / load_cursors   their checkpointed positions
   check_finite    a NaN/inf names the step, the source (student/teacher rows) and the module
   finish          summary.json (last-5-step means) and one greedy sample of the deployed model
-These are train.train's opening and closing steps, written once more here so that the other loops need not
-import the `train` command (tests/test_layout.py); train.py can switch to them. Nothing here trains.
+Every loop (train.py's GRPO, ppo.py, dpo.py) opens and closes through these, so the run directory, resume
+checks and torchrun's rank-0-writes rule (run/dist.py) are written once. Nothing here trains.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from projected_grpo import config as C
 from projected_grpo import store
-from projected_grpo.run import checkpoint, metrics, setup
+from projected_grpo.run import checkpoint, dist, metrics, setup
 from projected_grpo.run.pool import PoolCursor, PromptCursor
 from projected_grpo.run.rollout import sample_and_grade
 
@@ -36,8 +36,8 @@ def open_run(cfg: C.Config, name: str) -> tuple[C.Config, checkpoint.Checkpoint 
     """(the config with run.dir resolved, the checkpoint to resume from or None); the run directory is
     created, config.json written and every RNG seeded. name: the default directory's middle part, e.g.
     "ppo-none"."""
-    run_dir = pathlib.Path(cfg.run.dir or f"runs/{cfg.model.source}-{name}-s{cfg.run.seed}-"
-                           f"{time.strftime('%Y%m%d-%H%M%S')}")
+    run_dir = pathlib.Path(cfg.run.dir or dist.from_main(f"runs/{cfg.model.source}-{name}-s{cfg.run.seed}-"
+                                                         f"{time.strftime('%Y%m%d-%H%M%S')}"))
     if (run_dir / metrics.METRICS_FILE).exists() and not cfg.run.resume:
         raise FileExistsError(f"{run_dir} holds a run: pass --resume to continue it or a new --run-dir")
     cfg = C.replace(cfg, run={"dir": str(run_dir)})
@@ -47,12 +47,14 @@ def open_run(cfg: C.Config, name: str) -> tuple[C.Config, checkpoint.Checkpoint 
         old = C.Config.from_dict(ck.config, where=f"{ckpt_path} config")
         if diff := C.diff(old, cfg, ("run.resume", "run.steps", "run.dir")):
             raise ValueError(f"--resume: {ckpt_path} was written with another config: {diff}")
+        dist.check_world_size(ck.cursors.get("world_size", 1), ckpt_path)  # the shards depend on it
         if old.run.steps != cfg.run.steps:
             _log(f"--resume: run.steps {old.run.steps} -> {cfg.run.steps}: the cosine LR schedule now spans "
                  f"{cfg.run.steps} steps, so from step {ck.step} on this is not the run the first command "
                  "would have finished")
     run_dir.mkdir(parents=True, exist_ok=True)
-    store.write_json_atomic(run_dir / "config.json", cfg.to_dict())
+    if dist.is_main():  # under torchrun only rank 0 writes (config, metrics, checkpoints, summary)
+        store.write_json_atomic(run_dir / "config.json", cfg.to_dict())
     if cfg.run.threads:
         torch.set_num_threads(cfg.run.threads)
     random.seed(cfg.run.seed)
@@ -79,7 +81,8 @@ def open_data(cfg: C.Config, env, tok, run_dir: pathlib.Path) -> Data:
     sets = env.problem_sets()
     problems = {p.id: p for ps in sets.values() for p in ps}
     prompts = setup.prompt_table(env, tok, problems.values())
-    pool = setup.open_pool(cfg, env, tok, sets["train"], prompts, run_dir)
+    with dist.main_first():  # rank 0 builds a template pool first; the others read it
+        pool = setup.open_pool(cfg, env, tok, sets["train"], prompts, run_dir)
     ids = {stage: [p.id for p in ps] for stage, ps in sets.items() if stage != "eval"}
     missing = pool.missing(ids["train"]) if cfg.rollout.G_t else []
     if missing and cfg.pool.missing == "error":
@@ -101,7 +104,7 @@ def open_data(cfg: C.Config, env, tok, run_dir: pathlib.Path) -> Data:
 
 def cursor_state(data: Data) -> dict:
     return {"prompts": {s: c.state_dict() for s, c in data.cursors.items()},
-            "pool": data.pool_cur.state_dict()}
+            "pool": data.pool_cur.state_dict(), "world_size": dist.world_size()}
 
 
 def load_cursors(data: Data, ck: checkpoint.Checkpoint) -> None:

@@ -17,15 +17,13 @@ from __future__ import annotations
 import contextlib
 import math
 import pathlib
-import random
 import sys
 import time
 
-import numpy as np
 import torch
 
 from projected_grpo import config as C
-from projected_grpo import presets, store
+from projected_grpo import presets
 from projected_grpo.hack import direction
 from projected_grpo.knobs import projection
 from projected_grpo.objective.advantages import ADVANTAGES
@@ -37,92 +35,28 @@ from projected_grpo.objective.losses import (
     masked_mean,
 )
 from projected_grpo.objective.teacher import TEACHER_MODES
-from projected_grpo.run import batches, checkpoint, dist, dpo, metrics, ppo, setup
-from projected_grpo.run.pool import PoolCursor, PromptCursor
-from projected_grpo.run.rollout import forward_logprobs, pack, pad_right, sample_and_grade
+from projected_grpo.run import batches, checkpoint, dist, dpo, metrics, ppo, session, setup
+from projected_grpo.run.rollout import forward_logprobs, pack, pad_right
 from projected_grpo.run.row import eval_rates, step_row
 from projected_grpo.run.schedule import lr_at
-
-
-def _finite(step: int, what: str, by_source: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Fail fast on NaN/inf: name the step, the source(s) (student/teacher) and the module (or tensor).
-
-    by_source: source -> {module or tensor name: values}; split.Capture sums each source's rows apart, so a
-    NaN is attributed to the source that produced it."""
-    for name in next(iter(by_source.values())):
-        bad = [src for src, named in by_source.items() if not torch.isfinite(named[name]).all()]
-        if bad:
-            raise FloatingPointError(f"step {step}: non-finite {what} from the {' and '.join(bad)} rows "
-                                     f"in {name}")
-
-
-def _run_dir(cfg: C.Config) -> tuple[C.Config, checkpoint.Checkpoint | None]:
-    """The config with run.dir resolved, and the checkpoint to resume from (None for a fresh run)."""
-    run_dir = pathlib.Path(cfg.run.dir or dist.from_main(f"runs/{cfg.model.source}-{cfg.proj.arm}-"
-                                                         f"s{cfg.run.seed}-{time.strftime('%Y%m%d-%H%M%S')}"))
-    if (run_dir / metrics.METRICS_FILE).exists() and not cfg.run.resume:
-        raise FileExistsError(f"{run_dir} holds a run: pass --resume to continue it or a new --run-dir")
-    cfg = C.replace(cfg, run={"dir": str(run_dir)})
-    ckpt_path = checkpoint.latest_checkpoint(run_dir) if cfg.run.resume else None
-    ck = checkpoint.load_checkpoint(ckpt_path) if ckpt_path else None
-    if ck is not None:
-        # run.dir may differ: a run directory can be moved or copied and resumed where it is now
-        old = C.Config.from_dict(ck.config, where=f"{ckpt_path} config")
-        if diff := C.diff(old, cfg, ("run.resume", "run.steps", "run.dir")):
-            raise ValueError(f"--resume: {ckpt_path} was written with another config: {diff}")
-        dist.check_world_size(ck.cursors.get("world_size", 1), ckpt_path)  # the shards depend on it
-        if old.run.steps != cfg.run.steps:  # allowed (extending a run), but the LR schedule's horizon moves
-            print(f"--resume: run.steps {old.run.steps} -> {cfg.run.steps}: the cosine LR schedule now spans "
-                  f"{cfg.run.steps} steps, so from step {ck.step} on this is not the run the first "
-                  "command would have finished, nor an uninterrupted run of the new length", file=sys.stderr)
-    return cfg, ck
 
 
 def train(cfg: C.Config) -> dict:
     """Run GRPO as configured; returns the end-of-run summary (also written to run_dir/summary.json)."""
     # --- run directory, resolved config, seeding (TRY NOT TO MODIFY, cleanrl) ---
     dist.init(cfg)  # torchrun: join the process group (run/dist.py); one process: nothing
-    cfg, ck = _run_dir(cfg)
+    cfg, ck = session.open_run(cfg, cfg.proj.arm)  # run dir, resume checks, config.json, every RNG seeded
     run_dir = pathlib.Path(cfg.run.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     rank0 = dist.is_main()  # only rank 0 writes: config, metrics, checkpoints, summary
-    if rank0:
-        store.write_json_atomic(run_dir / "config.json", cfg.to_dict())
-    if cfg.run.threads:
-        torch.set_num_threads(cfg.run.threads)
-    random.seed(cfg.run.seed)
-    np.random.seed(cfg.run.seed)
-    torch.manual_seed(cfg.run.seed)
 
     # --- model, knobs, environment, prompts (run/setup.py); under torchrun rank 0 fills the caches first ---
     with dist.main_first():
         model, tok = setup.load_model(cfg)
         knobs = setup.wrap_knobs(cfg, model)
     with contextlib.closing(setup.make_env(cfg)) as env:
-        sets = env.problem_sets()
-        problems = {p.id: p for ps in sets.values() for p in ps}
-        prompts = setup.prompt_table(env, tok, problems.values())
-        prompt_ids = {i: ids for i, (_, ids) in prompts.items()}
-
-        # --- teacher pool: restrict / refuse / all-student groups for prompts it lacks (pool.missing) ---
-        with dist.main_first():
-            pool = setup.open_pool(cfg, env, tok, sets["train"], prompts, run_dir)
-        ids = {stage: [p.id for p in ps] for stage, ps in sets.items() if stage != "eval"}
-        missing = pool.missing(ids["train"]) if cfg.rollout.G_t else []
-        if missing and cfg.pool.missing == "error":
-            raise ValueError(f"teacher pool {pool.path}: no rows for {len(missing)} problems {missing[:8]}; "
-                             "extend the pool or set --pool.missing restrict (or students)")
-        if missing:  # reported, never silently trained with G_t = 0
-            print(f"teacher pool {pool.path}: no rows for {len(missing)}/{len(ids['train'])} problems "
-                  f"{missing}: " + ("they are left out of sampling" if cfg.pool.missing == "restrict" else
-                                    "their groups are all student samples"), file=sys.stderr)
-            if cfg.pool.missing == "restrict":
-                ids["train"] = [i for i in ids["train"] if i not in missing]
-        if cfg.loss.teacher == "importance" and cfg.rollout.G_t and not pool.has_behaviour_logp():
-            raise ValueError(f"--loss.teacher importance needs behaviour log-probs, but {pool.path} has rows "
-                             "with logp_behaviour=null (template rows); build it with --source teacher")
-        cursors = {stage: PromptCursor(stage_ids, cfg.run.seed) for stage, stage_ids in ids.items()}
-        pool_cur = PoolCursor(pool, cfg.run.seed)
+        # --- prompts, teacher pool (pool.missing: restrict / refuse / all-student groups), cursors ---
+        data = session.open_data(cfg, env, tok, run_dir)
+        sets, problems, prompt_ids = data.sets, data.problems, data.prompt_ids
 
         # --- resume (knobs, V_hack, optimizer, cursors, RNG) before V_hack is resolved: a resumed run
         # never re-extracts ---
@@ -134,9 +68,7 @@ def train(cfg: C.Config) -> dict:
             ck.load_knobs(knobs)
             V_hack, v_line = ck.V_hack, f"V_hack from {ck.path}"
             opt.load_state_dict(ck.optimizer_state)
-            for stage, state in ck.cursors["prompts"].items():
-                cursors[stage].load_state_dict(state)
-            pool_cur.load_state_dict(ck.cursors["pool"])
+            session.load_cursors(data, ck)
             checkpoint.restore_rng(ck)
         else:
             with dist.main_first():
@@ -156,13 +88,14 @@ def train(cfg: C.Config) -> dict:
                              floor_frac=cfg.optim.min_lr_frac)
 
         t_mark = time.perf_counter()  # a step's time runs from the end of the last one: sampling included
-        steps = batches.batches(cfg, model, knobs, tok, env, problems, prompt_ids, cursors, pool_cur, start)
+        steps = batches.batches(cfg, model, knobs, tok, env, problems, prompt_ids, data.cursors,
+                                data.pool_cur, start)
         for batch in steps:
             step = batch.step
             # --- advantages over each mixed group (estimator by name); zero-variance groups skipped ---
             adv, adv_stats = ADVANTAGES[cfg.loss.advantage](batch.rewards)  # (B, G); 0 if zero-variance
             is_student = batch.is_student  # (B, G)
-            _finite(step, "advantages", {"student": {"adv": adv[is_student]},
+            session.check_finite(step, "advantages", {"student": {"adv": adv[is_student]},
                                          "teacher": {"adv": adv[~is_student]}})
             keep = batch.keep
             n_tok = sum(len(s.completion_ids) for b in keep for s in batch.groups[b])
@@ -222,7 +155,8 @@ def train(cfg: C.Config) -> dict:
             split = dist.all_reduce_grads(knobs, split)
             acc = dist.sum_stats(acc)
             if split is not None:
-                _finite(step, "gradient", {"student": split.g_student, "teacher": split.g_teacher})
+                session.check_finite(step, "gradient", {"student": split.g_student,
+                                                        "teacher": split.g_teacher})
 
             # --- projection by arm on the gradient and/or update; clip; AdamW step (docs/architecture.md) ---
             stats = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate,
@@ -266,10 +200,8 @@ def train(cfg: C.Config) -> dict:
 
             # --- checkpoint (atomic): knobs, the V_hack in use, optimizer, RNG, cursors, config ---
             if rank0 and ((step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == cfg.run.steps):
-                cur = {"prompts": {s: c.state_dict() for s, c in cursors.items()},
-                       "pool": pool_cur.state_dict(), "world_size": dist.world_size()}
                 checkpoint.save_checkpoint(run_dir, step + 1, knobs=knobs, V_hack=V_hack, optimizer=opt,
-                                           cursors=cur, config=cfg.to_dict())
+                                           cursors=session.cursor_state(data), config=cfg.to_dict())
             t_mark = time.perf_counter()
         bar.close()
         if not rank0:  # rank 0 writes the summary
@@ -278,16 +210,8 @@ def train(cfg: C.Config) -> dict:
         logger.close()
 
         # --- end: summary.json (last-5-step means) and one greedy sample of the deployed model ---
-        first = problems[ids["train"][0]]
-        with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
-            sample = sample_and_grade(model, tok, env, [first], prompt_ids, 1,
-                                      max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, seed=0)[0]
-    summary = metrics.summarize(metrics.read_rows(run_dir / metrics.METRICS_FILE))
-    summary |= {"run_dir": str(run_dir), "arm": cfg.proj.arm, "teacher": cfg.loss.teacher, "v_hack": v_line,
-                "sample_problem": first.id, "sample": sample.text}
-    store.write_json_atomic(run_dir / metrics.SUMMARY_FILE, summary)
-    print("\n".join(f"{k:>18}: {v:.4f}" if isinstance(v, float) else f"{k:>18}: {v!r}"
-                    for k, v in summary.items()))
+        summary = session.finish(cfg, model, knobs, tok, env, data, arm=cfg.proj.arm,
+                                 teacher=cfg.loss.teacher, v_hack=v_line)
     dist.close()
     return summary
 
