@@ -208,6 +208,20 @@ def run_worker(spec: dict, tmp: pathlib.Path, tag: str) -> dict:
     return json.loads(out_path.read_text()) | {"tree_peak_rss_mb": peak[0]}
 
 
+PHASES = ("generate", "reward", "reference", "forward", "backward", "optimizer", "overhead")
+
+
+def print_profile(prof: dict[tuple, dict]) -> None:
+    """Median CPU ms per step by phase (worker.Phases), one line per (cell, trainer)."""
+    print("\n== profile: CPU ms per step by phase (median over steps 2..; one run each) ==")
+    print(f"{'loss':>7} {'beta':>5} {'trainer':>7} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'step':>7}")
+    for (loss, beta, trainer), r in prof.items():
+        ph = r["phases_cpu"]
+        cells = [1e3 * statistics.median(ph[p]) if ph.get(p) else 0.0 for p in PHASES]
+        print(f"{loss:>7} {beta:>5} {trainer:>7} " + " ".join(f"{c:>9.0f}" for c in cells)
+              + f" {1e3 * statistics.median(r['cpu_s']):>7.0f}")
+
+
 def versions() -> str:
     import importlib.metadata as md
 
@@ -218,7 +232,8 @@ def versions() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=2, help="runs per (trainer, loss, beta)")
+    ap.add_argument("--reps", type=int, default=2, help="runs per (trainer, loss, beta); 0 with --profile: "
+                    "the profile alone")
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is dropped)")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per step B")
     ap.add_argument("--group", type=int, default=4, help="group size G")
@@ -230,6 +245,10 @@ def main() -> None:
     ap.add_argument("--knob", default="svd", choices=["svd", "lora"], help="our knob adapter")
     ap.add_argument("--rank", type=int, default=0, help="our knob rank (0: svd full, lora 16)")
     ap.add_argument("--ckpt", type=int, default=1, help="our gradient checkpointing (TRL's default is on)")
+    ap.add_argument("--share-prefix", type=int, default=1, help="ours: rollout.share_prefix (1: each prompt "
+                    "scored once per group; 0: the packed forward)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also one profiled run per trainer and cell: CPU time per step by phase")
     ap.add_argument("--losses", default="dr_grpo,grpo")
     ap.add_argument("--betas", default="0,0.04")
     opt = ap.parse_args()
@@ -249,7 +268,7 @@ def main() -> None:
         base = {"model_dir": str(tmp / "model"), "cache_dir": str(tmp / "cache"), "tmp": str(tmp),
                 "B": opt.prompts, "G": opt.group, "max_new": opt.max_new, "lr": opt.lr, "steps": opt.steps,
                 "seed": 0, "threads": opt.threads, "knob": opt.knob, "rank": opt.rank,
-                "ckpt": bool(opt.ckpt)}
+                "ckpt": bool(opt.ckpt), "share_prefix": bool(opt.share_prefix)}
         cells = [(lo, float(b)) for lo in opt.losses.split(",") for b in opt.betas.split(",")]
         print(f"\n== timing: {n_params / 1e6:.2f}M-param Llama (hidden {opt.hidden}, {opt.layers} layers), "
               f"B={opt.prompts} G={opt.group} max_new={opt.max_new} lr={opt.lr}, {opt.steps} steps x "
@@ -264,7 +283,14 @@ def main() -> None:
                 for trainer in (("ours", "trl") if rep % 2 == 0 else ("trl", "ours")):
                     spec = {**base, "trainer": trainer, "loss": loss, "beta": beta}
                     res[(loss, beta, trainer)].append(run_worker(spec, tmp, f"{trainer}-{loss}-{beta}-{rep}"))
+        prof = {(loss, beta, trainer): run_worker({**base, "trainer": trainer, "loss": loss, "beta": beta,
+                                                   "profile": True}, tmp, f"prof-{trainer}-{loss}-{beta}")
+                for loss, beta in cells for trainer in ("ours", "trl")} if opt.profile else {}
 
+    if prof:
+        print_profile(prof)
+    if not res:  # --reps 0 --profile: the profile alone
+        return
     med = statistics.median
     summary = {}
     print(f"\n{'loss':>7} {'beta':>5} {'trainer':>7} {'step s':>7} {'cpu s':>6} {'tok/s':>6} {'rss MB':>7} "

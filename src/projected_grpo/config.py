@@ -133,6 +133,10 @@ class RolloutCfg:
     """nucleus sampling mass for student rollouts"""
     micro_prompts: int = 0
     """prompts per forward/backward micro-batch, for gradient accumulation (0 = all prompts at once)"""
+    share_prefix: bool = True
+    """run each group's prompt once, its keys/values shared by the group's rows: in the scoring forwards
+    (run/prefix.py; same log-probs and gradients up to fp32 rounding) and the students' prefill (the
+    sampled stream may differ in the last bits); False: every row recomputes its prompt, as before"""
 
     def __post_init__(self) -> None:
         _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p")

@@ -105,7 +105,7 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
                     got = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in rows],
                                            prompt_ids, n, max_new_tokens=cfg.rollout.max_new_tokens,
                                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                           seed=seed, clock=clock)
+                                           seed=seed, clock=clock, share_prefill=cfg.rollout.share_prefix)
                 for j, b in enumerate(rows):
                     groups[b] = got[j * n:(j + 1) * n] + teacher[b]
             # ground-truth baselines only (gt_reward: reward_from oracle; gt_penalty: hack_penalty > 0): the
@@ -123,7 +123,8 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
                 shown = sample_and_grade(model, tokenizer, env, [problems[i] for i in pids], prompt_ids,
                                          G - G_t, max_new_tokens=cfg.rollout.max_new_tokens,
                                          temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                         seed=step_seed(cfg.run.seed, step, 0), clock=clock)  # students' seed
+                                         seed=step_seed(cfg.run.seed, step, 0), clock=clock,  # students'
+                                         share_prefill=cfg.rollout.share_prefix)
             deploy = [s.grade for s in shown]
         yield Batch(step, stage, pids, groups, rewards, zero, deploy, resampled, tries, clock)
 

@@ -37,7 +37,8 @@ from projected_grpo.objective.losses import (
 from projected_grpo.objective.teacher import TEACHER_MODES
 from projected_grpo.run import batches, checkpoint, metrics, setup
 from projected_grpo.run.pool import PoolCursor, PromptCursor
-from projected_grpo.run.rollout import forward_logprobs, pack, pad_right, sample_and_grade
+from projected_grpo.run.prefix import scoring
+from projected_grpo.run.rollout import pad_right, sample_and_grade
 from projected_grpo.run.row import eval_rates, step_row
 from projected_grpo.run.schedule import lr_at
 
@@ -93,6 +94,7 @@ def train(cfg: C.Config) -> dict:
     knobs = setup.wrap_knobs(cfg, model)
     if cfg.model.grad_checkpointing:  # recompute decoder activations in the backward; capture still works
         knobs.gradient_checkpointing(True)
+    score = scoring(model, cfg.rollout.share_prefix)  # each group's prompt run once, or per row (packed)
     with contextlib.closing(setup.make_env(cfg)) as env:
         sets = env.problem_sets()
         problems = {p.id: p for ps in sets.values() for p in ps}
@@ -171,17 +173,17 @@ def train(cfg: C.Config) -> dict:
             for c in range(0, len(keep), cfg.rollout.micro):
                 mb = [s for b in keep[c:c + cfg.rollout.micro] for s in batch.groups[b]]
                 mb_adv = adv[keep[c:c + cfg.rollout.micro]].reshape(-1)  # (N,)
-                seqs = pack([s.prompt_ids for s in mb], [s.completion_ids for s in mb],
-                            tok.pad_token_id).to(cfg.model.device)
+                mb_student = torch.tensor([s.student for s in mb], device=cfg.model.device)  # (N,)
+                seqs = score.pack([s.prompt_ids for s in mb], [s.completion_ids for s in mb],
+                                  tok.pad_token_id, mb_student).to(cfg.model.device)
                 mask = seqs.completion_mask  # (N, T)
-                mb_student = torch.tensor([s.student for s in mb], device=mask.device)  # (N,)
                 logp_b = pad_right([s.logp_behaviour or [] for s in mb], seqs.T).to(mask.device)  # (N, T)
                 if cfg.loss.beta > 0:  # at beta 0 the KL term has no weight: no reference forward at all
                     with torch.no_grad(), knobs.zeroed():  # the free reference: zero knobs = the base model
-                        logp_ref, _ = forward_logprobs(model, seqs, temperature=cfg.rollout.temperature)
+                        logp_ref, _ = score.logprobs(model, seqs, temperature=cfg.rollout.temperature)
                 with knobs.capture(mb_student) as cap:  # per-source knob grads from this one backward
-                    logp, entropy = forward_logprobs(model, seqs, temperature=cfg.rollout.temperature,
-                                                     with_entropy=True)  # (N, T) each
+                    logp, entropy = score.logprobs(model, seqs, temperature=cfg.rollout.temperature,
+                                                   with_entropy=True, capture=cap)  # (N, T) each
                     logp_old, weight, t_stats = TEACHER_MODES[cfg.loss.teacher](
                         logp, logp_b, mb_student, mask, cfg.loss.is_trunc)
                     # one optimizer step per generation: students' ratio is exactly 1 (clip inert for them)
