@@ -238,5 +238,7 @@ def test_shared_prefill_samples_the_same_ids(name, kv_cache):
     assert got.completion_ids == want.completion_ids and got.prompt_ids == want.prompt_ids
     assert max((a - b).abs().max().item() for a, b in zip(got.logp, want.logp)) < 1e-5
     assert torch.equal(got.truncated, want.truncated)
+    # decoded under inference mode, returned as ordinary tensors: usable with autograd downstream
+    assert not any(t.is_inference() for t in [*got.logp, got.truncated])
     one = generate(model, PROMPTS, 1, share_prefill=True, **kw)  # n_samples 1: the unshared path itself
     assert one.completion_ids == generate(model, PROMPTS, 1, **kw).completion_ids

@@ -179,8 +179,9 @@ def train(cfg: C.Config) -> dict:
                 mask = seqs.completion_mask  # (N, T)
                 logp_b = pad_right([s.logp_behaviour or [] for s in mb], seqs.T).to(mask.device)  # (N, T)
                 if cfg.loss.beta > 0:  # at beta 0 the KL term has no weight: no reference forward at all
-                    with torch.no_grad(), knobs.zeroed():  # the free reference: zero knobs = the base model
+                    with torch.inference_mode(), knobs.zeroed():  # the free reference: knobs zeroed = base
                         logp_ref, _ = score.logprobs(model, seqs, temperature=cfg.rollout.temperature)
+                    logp_ref = logp_ref.clone()  # an ordinary tensor: the KL term's autograd may save it
                 with knobs.capture(mb_student) as cap:  # per-source knob grads from this one backward
                     logp, entropy = score.logprobs(model, seqs, temperature=cfg.rollout.temperature,
                                                    with_entropy=True, capture=cap)  # (N, T) each
