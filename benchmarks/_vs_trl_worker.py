@@ -172,7 +172,8 @@ def run_ours(spec: dict) -> dict:
 
 
 def run_trl(spec: dict) -> dict:
-    """trl.GRPOTrainer, full fine-tuning of the model loaded from its directory."""
+    """trl.GRPOTrainer on the model loaded from its directory: full fine-tuning (its default; with beta > 0 a
+    second copy is the reference), or PEFT LoRA of rank spec["trl_lora_r"] (the reference: adapters off)."""
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -227,8 +228,17 @@ def run_trl(spec: dict) -> dict:
         report_to="none", seed=spec["seed"], disable_tqdm=True, dataloader_num_workers=0,
     )
     ds = Dataset.from_list([{"prompt": build_messages(p)} for p in BUILTIN_PROBLEMS])
+    peft = None
+    if spec.get("trl_lora_r"):  # PEFT LoRA on the projections our knobs wrap; reference = adapters off
+        from peft import LoraConfig
+
+        from projected_grpo.knobs.adapters import DEFAULT_TARGETS
+
+        r = spec["trl_lora_r"]
+        peft = LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0, target_modules=list(DEFAULT_TARGETS[:7]),
+                          task_type="CAUSAL_LM")
     trainer = GRPOTrainer(model=spec["model_dir"], reward_funcs=reward, args=args, train_dataset=ds,
-                          processing_class=tok, callbacks=[Timer()])
+                          processing_class=tok, callbacks=[Timer()], peft_config=peft)
     trainer.train()
     n = spec["B"] * spec["G"]
     if len(logs_seen) != len(times):
