@@ -135,8 +135,12 @@ def run_ours(spec: dict) -> dict:
         _common_phases(ph)
         ph.wrap(rollout, "generate", "generate")
         ph.wrap(RewardFnEnv, "grade", "reward")
-        make = T.scoring  # the loop's scoring forward (packed or prefix-shared), chosen at its setup
-        T.scoring = lambda *a, **k: (s := make(*a, **k))._replace(logprobs=ph.timed(s.logprobs, _score_phase))
+        if hasattr(T, "scoring"):  # the loop's scoring forward (packed or prefix-shared), chosen at its setup
+            make = T.scoring
+            T.scoring = lambda *a, **k: (s := make(*a, **k))._replace(logprobs=ph.timed(s.logprobs,
+                                                                                      _score_phase))
+        else:  # before run/prefix.py (profiling an older commit): the packed forward, called directly
+            ph.wrap(T, "forward_logprobs", _score_phase)
 
     def timed_log(self, step, row):
         cpu_marks.append(time.process_time())
@@ -147,14 +151,16 @@ def run_ours(spec: dict) -> dict:
     metrics.MetricsLogger.log = timed_log
     run_dir = pathlib.Path(spec["tmp"]) / f"ours-{os.getpid()}"
     adv = {"dr_grpo": "dr_grpo", "grpo": "grpo"}[spec["loss"]]  # TRL pairs dr_grpo with scale_rewards=none
+    # rollout.share_prefix exists from issue 18 on; an older commit's src can be benchmarked and profiled too
+    has_share = "share_prefix" in C.RolloutCfg.__dataclass_fields__
+    share = {"share_prefix": spec["share_prefix"]} if has_share else {}
     cfg = C.Config(
         model=C.ModelCfg(source="hf", path=spec["model_dir"], cache_dir=spec["cache_dir"], knob=spec["knob"],
                          rank=spec["rank"], grad_checkpointing=spec["ckpt"]),
         env=C.EnvCfg(name="reward_fn", reward_fn="_vs_trl_worker:reward",
                      problems=str(write_prompts(pathlib.Path(spec["tmp"]) / f"prompts-{os.getpid()}.jsonl"))),
         rollout=C.RolloutCfg(prompts_per_step=spec["B"], group_size=spec["G"], mix=0.0,
-                             max_new_tokens=spec["max_new"], temperature=1.0, top_p=1.0,
-                             share_prefix=spec.get("share_prefix", True)),
+                             max_new_tokens=spec["max_new"], temperature=1.0, top_p=1.0, **share),
         loss=C.LossCfg(advantage=adv, aggregation=spec["loss"], kl="k3", beta=spec["beta"]),
         optim=C.OptimCfg(lr=spec["lr"]),
         run=C.RunCfg(steps=spec["steps"], seed=spec["seed"], dir=str(run_dir), threads=spec["threads"],
