@@ -1,21 +1,27 @@
 """projected-grpo vs TRL's GRPOTrainer on one model and GRPO config: step time, tokens/s, peak RSS, math.
 
 Builds one tiny Llama-style model and its tokenizer (projected_grpo.organism.build, offline), saves them to a
-temporary directory, and trains it from there with both trainers: same prompts (the built-in problems),
-same reward callable, group size, completion length, learning rate, loss (`dr_grpo`, `grpo`), beta
-(0, 0.04), k3 KL, clip eps 0.2, fp32 on CPU, one thread each. Ours trains the SVD knobs (arm `none`, no
-teacher rows; the reference is the base model with knobs zeroed); TRL trains the full model (its
-default; with beta > 0 it loads a second copy as the reference, and it turns gradient checkpointing
-on by default). Each run is its own subprocess (benchmarks/_vs_trl_worker.py), so peak RSS is per
-trainer; the trainers alternate (order flipped every repetition, the CPU is shared) and medians are
-reported; each run's first step is dropped as warm-up. Before timing, the loss values (and their
-gradients) of both are compared on identical inputs for every loss type they share.
+temporary directory (or takes a local HF model directory, --model-dir), and trains it from there with both
+trainers: same prompts (the built-in problems), same reward callable, group size, completion length,
+learning rate, loss (`dr_grpo`, `grpo`), beta (0, 0.04), k3 KL, clip eps 0.2, fp32 on CPU, one thread
+each. Ours trains the SVD knobs (arm `none`, no teacher rows; the reference is the base model with knobs
+zeroed; its own defaults otherwise: prefix-shared scoring and prefill, no gradient checkpointing unless
+--ckpt 1); TRL trains the full model (its default; with beta > 0 it loads a second copy as the
+reference, and it turns gradient checkpointing on by default). --pairings runs named pairs instead
+(TRL + PEFT LoRA r16 against our LoRA or SVD knob of rank 16; TRL full fine-tuning against our SVD knob
+of rank 16), one RESULT line each. Each run is its own subprocess (benchmarks/_vs_trl_worker.py), so
+peak RSS is per trainer; the trainers alternate (order flipped every repetition, the CPU is shared) and
+medians are reported; each run's first step is dropped as warm-up. Before timing, the loss values (and
+their gradients) of both are compared on identical inputs for every loss type they share. --profile
+adds one run per trainer and cell with its CPU time split by phase (generate, reward, reference,
+forward, backward, optimizer, overhead).
 
-    .venv/bin/pip install -e ".[bench]"   # trl, psutil
-    .venv/bin/python benchmarks/vs_trl.py [--reps 2] [--steps 4] [--hidden 256] [--layers 4]
+    .venv/bin/pip install -e ".[bench]"   # trl, psutil, peft
+    .venv/bin/python benchmarks/vs_trl.py [--reps 2] [--steps 4] [--hidden 256] [--layers 4] [--profile]
+    .venv/bin/python benchmarks/vs_trl.py --model-dir DIR --pairings lora16,svd16,full_ref --betas 0.04
 
 Last line: `RESULT step_time_ratio=<ours/trl> memory_ratio=<ours/trl>` for dr_grpo at beta = 0.04
-(wall-clock step time; peak RSS of the trainer process).
+(wall-clock step time; peak RSS of the trainer process); with --pairings, `RESULT pairing=<name> ...`.
 """
 
 from __future__ import annotations
