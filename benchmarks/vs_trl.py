@@ -1,21 +1,27 @@
 """projected-grpo vs TRL's GRPOTrainer on one model and GRPO config: step time, tokens/s, peak RSS, math.
 
 Builds one tiny Llama-style model and its tokenizer (projected_grpo.organism.build, offline), saves them to a
-temporary directory, and trains it from there with both trainers: same prompts (the built-in problems),
-same reward callable, group size, completion length, learning rate, loss (`dr_grpo`, `grpo`), beta
-(0, 0.04), k3 KL, clip eps 0.2, fp32 on CPU, one thread each. Ours trains the SVD knobs (arm `none`, no
-teacher rows; the reference is the base model with knobs zeroed); TRL trains the full model (its
-default; with beta > 0 it loads a second copy as the reference, and it turns gradient checkpointing
-on by default). Each run is its own subprocess (benchmarks/_vs_trl_worker.py), so peak RSS is per
-trainer; the trainers alternate (order flipped every repetition, the CPU is shared) and medians are
-reported; each run's first step is dropped as warm-up. Before timing, the loss values (and their
-gradients) of both are compared on identical inputs for every loss type they share.
+temporary directory (or takes a local HF model directory, --model-dir), and trains it from there with both
+trainers: same prompts (the built-in problems), same reward callable, group size, completion length,
+learning rate, loss (`dr_grpo`, `grpo`), beta (0, 0.04), k3 KL, clip eps 0.2, fp32 on CPU, one thread
+each. Ours trains the SVD knobs (arm `none`, no teacher rows; the reference is the base model with knobs
+zeroed; its own defaults otherwise: prefix-shared scoring and prefill, no gradient checkpointing unless
+--ckpt 1); TRL trains the full model (its default; with beta > 0 it loads a second copy as the
+reference, and it turns gradient checkpointing on by default). --pairings runs named pairs instead
+(TRL + PEFT LoRA r16 against our LoRA or SVD knob of rank 16; TRL full fine-tuning against our SVD knob
+of rank 16), one RESULT line each. Each run is its own subprocess (benchmarks/_vs_trl_worker.py), so
+peak RSS is per trainer; the trainers alternate (order flipped every repetition, the CPU is shared) and
+medians are reported; each run's first step is dropped as warm-up. Before timing, the loss values (and
+their gradients) of both are compared on identical inputs for every loss type they share. --profile
+adds one run per trainer and cell with its CPU time split by phase (generate, reward, reference,
+forward, backward, optimizer, overhead).
 
-    .venv/bin/pip install -e ".[bench]"   # trl, psutil
-    .venv/bin/python benchmarks/vs_trl.py [--reps 2] [--steps 4] [--hidden 256] [--layers 4]
+    .venv/bin/pip install -e ".[bench]"   # trl, psutil, peft
+    .venv/bin/python benchmarks/vs_trl.py [--reps 2] [--steps 4] [--hidden 256] [--layers 4] [--profile]
+    .venv/bin/python benchmarks/vs_trl.py --model-dir DIR --pairings lora16,svd16,full_ref --betas 0.04
 
 Last line: `RESULT step_time_ratio=<ours/trl> memory_ratio=<ours/trl>` for dr_grpo at beta = 0.04
-(wall-clock step time; peak RSS of the trainer process).
+(wall-clock step time; peak RSS of the trainer process); with --pairings, `RESULT pairing=<name> ...`.
 """
 
 from __future__ import annotations
@@ -208,17 +214,43 @@ def run_worker(spec: dict, tmp: pathlib.Path, tag: str) -> dict:
     return json.loads(out_path.read_text()) | {"tree_peak_rss_mb": peak[0]}
 
 
+PHASES = ("generate", "reward", "reference", "forward", "backward", "optimizer", "overhead")
+
+
+def print_profile(prof: dict[tuple, dict]) -> None:
+    """Median CPU ms per step by phase (worker.Phases), one line per (cell, trainer)."""
+    print("\n== profile: CPU ms per step by phase (median over steps 2..; one run each) ==")
+    print(f"{'loss':>7} {'beta':>5} {'trainer':>7} " + " ".join(f"{p:>9}" for p in PHASES) + f" {'step':>7}")
+    for (loss, beta, trainer), r in prof.items():
+        ph = r["phases_cpu"]
+        cells = [1e3 * statistics.median(ph[p]) if ph.get(p) else 0.0 for p in PHASES]
+        print(f"{loss:>7} {beta:>5} {trainer:>7} " + " ".join(f"{c:>9.0f}" for c in cells)
+              + f" {1e3 * statistics.median(r['cpu_s']):>7.0f}")
+
+
 def versions() -> str:
     import importlib.metadata as md
+    import importlib.util
 
-    names = ("torch", "transformers", "trl", "accelerate", "datasets")
-    pkgs = ", ".join(f"{p} {md.version(p)}" for p in names)
+    names = ("torch", "transformers", "trl", "accelerate", "datasets", "peft")
+    pkgs = ", ".join(f"{p} {md.version(p)}" for p in names if importlib.util.find_spec(p))
     return f"python {platform.python_version()}, {pkgs}; {platform.machine()}, {os.cpu_count()} cores"
+
+
+# pairing -> (ours' knob and rank, TRL's LoRA rank: 0 = full fine-tuning) on a real model (issue 18 item 5)
+PAIRINGS = {"lora16": (("lora", 16), 16), "svd16": (("svd", 16), 16), "full_ref": (("svd", 16), 0)}
+
+
+def side_name(trainer: str, spec: dict) -> str:
+    if trainer == "ours":
+        return f"ours-{spec['knob']}{spec['rank'] or ('-full' if spec['knob'] == 'svd' else '16')}"
+    return f"trl-lora{spec['trl_lora_r']}" if spec["trl_lora_r"] else "trl-full"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=2, help="runs per (trainer, loss, beta)")
+    ap.add_argument("--reps", type=int, default=2, help="runs per (trainer, loss, beta); 0 with --profile: "
+                    "the profile alone")
     ap.add_argument("--steps", type=int, default=4, help="steps per run (the first is dropped)")
     ap.add_argument("--prompts", type=int, default=2, help="prompts per step B")
     ap.add_argument("--group", type=int, default=4, help="group size G")
@@ -226,14 +258,25 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--model-dir", default="", help="a local HF model directory (e.g. the one "
+                    "`projected-grpo get-model smollm2` prints) instead of the built tiny Llama")
+    ap.add_argument("--pairings", default="", help=f"comma list of {', '.join(PAIRINGS)}: ours vs TRL per "
+                    "pairing, one RESULT line each (instead of --knob/--rank against TRL full fine-tuning)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--knob", default="svd", choices=["svd", "lora"], help="our knob adapter")
     ap.add_argument("--rank", type=int, default=0, help="our knob rank (0: svd full, lora 16)")
-    ap.add_argument("--ckpt", type=int, default=1, help="our gradient checkpointing (TRL's default is on)")
+    ap.add_argument("--ckpt", type=int, default=0, help="our gradient checkpointing "
+                    "(model.grad_checkpointing: off by default in ours, on by default in TRL)")
+    ap.add_argument("--share-prefix", type=int, default=1, help="ours: rollout.share_prefix (1: each prompt "
+                    "run once per group; 0: every row recomputes its prompt)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also one profiled run per trainer and cell: CPU time per step by phase")
     ap.add_argument("--losses", default="dr_grpo,grpo")
     ap.add_argument("--betas", default="0,0.04")
     opt = ap.parse_args()
     t_start = time.perf_counter()
+    pairings = {p: PAIRINGS[p] for p in opt.pairings.split(",") if p} or {
+        "default": ((opt.knob, opt.rank), 0)}
 
     print("== loss equality on identical inputs (TRL GRPOTrainer._compute_loss vs our objective.losses) ==")
     rows = loss_check()
@@ -245,51 +288,79 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="vs_trl-") as d:
         tmp = pathlib.Path(d)
-        n_params = build_model(tmp / "model", opt.hidden, opt.layers)
-        base = {"model_dir": str(tmp / "model"), "cache_dir": str(tmp / "cache"), "tmp": str(tmp),
+        if opt.model_dir:
+            from transformers import AutoConfig
+
+            model_dir, cfg = opt.model_dir, AutoConfig.from_pretrained(opt.model_dir)
+            what = (f"{cfg.model_type} from {model_dir} (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} "
+                    f"layers, vocab {cfg.vocab_size})")
+        else:
+            model_dir = str(tmp / "model")
+            n_params = build_model(tmp / "model", opt.hidden, opt.layers)
+            what = f"{n_params / 1e6:.2f}M-param Llama (hidden {opt.hidden}, {opt.layers} layers)"
+        base = {"model_dir": model_dir, "cache_dir": str(tmp / "cache"), "tmp": str(tmp),
                 "B": opt.prompts, "G": opt.group, "max_new": opt.max_new, "lr": opt.lr, "steps": opt.steps,
-                "seed": 0, "threads": opt.threads, "knob": opt.knob, "rank": opt.rank,
-                "ckpt": bool(opt.ckpt)}
+                "seed": 0, "threads": opt.threads, "ckpt": bool(opt.ckpt),
+                "share_prefix": bool(opt.share_prefix)}
         cells = [(lo, float(b)) for lo in opt.losses.split(",") for b in opt.betas.split(",")]
-        print(f"\n== timing: {n_params / 1e6:.2f}M-param Llama (hidden {opt.hidden}, {opt.layers} layers), "
-              f"B={opt.prompts} G={opt.group} max_new={opt.max_new} lr={opt.lr}, {opt.steps} steps x "
-              f"{opt.reps} runs per cell, {opt.threads} thread(s); ours: {opt.knob} knobs, rank "
-              f"{opt.rank or 'default'} ==")
-        # warm-up: ours caches its SVDs and V_hack extraction on first use; that one-off is not timed
-        warm = {**base, "trainer": "ours", "loss": cells[0][0], "beta": cells[0][1], "steps": 1}
-        run_worker(warm, tmp, "warm")
+        # each distinct trainer setting runs once per (rep, cell), shared by the pairings that use it
+        sides: dict[str, dict] = {}
+        for (knob, rank), trl_r in pairings.values():
+            for trainer, extra in (("ours", {"knob": knob, "rank": rank}), ("trl", {"trl_lora_r": trl_r})):
+                spec = {"trainer": trainer, "knob": knob, "rank": rank, "trl_lora_r": trl_r, **extra}
+                sides.setdefault(side_name(trainer, spec), spec)
+        print(f"\n== timing: {what}, B={opt.prompts} G={opt.group} max_new={opt.max_new} lr={opt.lr}, "
+              f"{opt.steps} steps x {opt.reps} runs per cell, {opt.threads} thread(s); sides: "
+              f"{', '.join(sides)} ==")
+        # warm-up: ours caches its SVDs on first use; that one-off is not timed
+        for name, side in sides.items():
+            if side["trainer"] == "ours":
+                run_worker({**base, **side, "loss": cells[0][0], "beta": cells[0][1], "steps": 1}, tmp,
+                           f"warm-{name}")
         res: dict[tuple, list[dict]] = defaultdict(list)
         for rep in range(opt.reps):
             for loss, beta in cells:
-                for trainer in (("ours", "trl") if rep % 2 == 0 else ("trl", "ours")):
-                    spec = {**base, "trainer": trainer, "loss": loss, "beta": beta}
-                    res[(loss, beta, trainer)].append(run_worker(spec, tmp, f"{trainer}-{loss}-{beta}-{rep}"))
+                order = list(sides.items()) if rep % 2 == 0 else list(sides.items())[::-1]
+                for name, side in order:
+                    spec = {**base, **side, "loss": loss, "beta": beta}
+                    res[(loss, beta, name)].append(run_worker(spec, tmp, f"{name}-{loss}-{beta}-{rep}"))
+        prof = {(loss, beta, name): run_worker({**base, **side, "loss": loss, "beta": beta, "profile": True},
+                                               tmp, f"prof-{name}-{loss}-{beta}")
+                for loss, beta in cells for name, side in sides.items()} if opt.profile else {}
 
+    if prof:
+        print_profile(prof)
+    if not res:  # --reps 0 --profile: the profile alone
+        return
     med = statistics.median
     summary = {}
-    print(f"\n{'loss':>7} {'beta':>5} {'trainer':>7} {'step s':>7} {'cpu s':>6} {'tok/s':>6} {'rss MB':>7} "
+    print(f"\n{'loss':>7} {'beta':>5} {'trainer':>13} {'step s':>7} {'cpu s':>6} {'tok/s':>6} {'rss MB':>7} "
           f"{'tree MB':>7}   ours: generate / backward s")
-    for (loss, beta, trainer), runs in res.items():
+    for (loss, beta, name), runs in res.items():
         steps = [s for r in runs for s in r["step_s"][1:]]
         toks = [t / s for r in runs for t, s in zip(r["tokens"][1:], r["step_s"][1:])]
         cpu = [c for r in runs for c in r["cpu_s"]]
-        s = summary[(loss, beta, trainer)] = {"step": med(steps), "cpu": med(cpu), "tok_s": med(toks),
-                                              "rss": med(r["peak_rss_mb"] for r in runs),
-                                              "tree": med(r["tree_peak_rss_mb"] for r in runs)}
+        s = summary[(loss, beta, name)] = {"step": med(steps), "cpu": med(cpu), "tok_s": med(toks),
+                                           "rss": med(r["peak_rss_mb"] for r in runs),
+                                           "tree": med(r["tree_peak_rss_mb"] for r in runs)}
         ph = ""
-        if trainer == "ours":
+        if name.startswith("ours"):
             ph = " / ".join(f"{med(x for r in runs for x in r['phases'][k][1:]):.2f}"
                             for k in ("generate", "backward"))
-        print(f"{loss:>7} {beta:>5} {trainer:>7} {s['step']:>7.2f} {s['cpu']:>6.2f} {s['tok_s']:>6.0f} "
+        print(f"{loss:>7} {beta:>5} {name:>13} {s['step']:>7.2f} {s['cpu']:>6.2f} {s['tok_s']:>6.0f} "
               f"{s['rss']:>7.0f} {s['tree']:>7.0f}   {ph}")
     print(f"\n{versions()}; {torch.get_num_threads()} torch threads here, "
           f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
           f"total {time.perf_counter() - t_start:.0f} s")
-    key = ("dr_grpo", 0.04) if ("dr_grpo", 0.04, "ours") in summary else cells[-1]
-    o, t = summary[(*key, "ours")], summary[(*key, "trl")]
-    print(f"cpu_time_ratio={o['cpu'] / t['cpu']:.3f} tree_memory_ratio={o['tree'] / t['tree']:.3f} "
-          f"(loss {key[0]}, beta {key[1]})")
-    print(f"RESULT step_time_ratio={o['step'] / t['step']:.3f} memory_ratio={o['rss'] / t['rss']:.3f}")
+    key = ("dr_grpo", 0.04) if ("dr_grpo", 0.04) in cells else cells[-1]
+    for pairing, ((knob, rank), trl_r) in pairings.items():
+        o = summary[(*key, side_name("ours", {"knob": knob, "rank": rank}))]
+        t = summary[(*key, side_name("trl", {"trl_lora_r": trl_r}))]
+        tag = "" if pairing == "default" else f"pairing={pairing} "
+        print(f"{tag}cpu_time_ratio={o['cpu'] / t['cpu']:.3f} tree_memory_ratio={o['tree'] / t['tree']:.3f} "
+              f"(loss {key[0]}, beta {key[1]})")
+        print(f"RESULT {tag}step_time_ratio={o['step'] / t['step']:.3f} "
+              f"memory_ratio={o['rss'] / t['rss']:.3f}")
 
 
 if __name__ == "__main__":

@@ -131,9 +131,9 @@ def test_kl_is_zero_at_step_zero_and_absent_at_beta_zero(runs):
 
 def test_no_reference_forward_at_beta_zero_and_the_same_knobs(runs, tmp_path, monkeypatch):
     calls = []
-    real = T.forward_logprobs
-    monkeypatch.setattr(T, "forward_logprobs", lambda *a, **k: calls.append(torch.is_grad_enabled())
-                        or real(*a, **k))
+    real = T.scoring  # the loop's scoring forward, chosen at setup (run/prefix.py)
+    monkeypatch.setattr(T, "scoring", lambda *a, **k: (s := real(*a, **k))._replace(
+        logprobs=lambda *a, **k: calls.append(torch.is_grad_enabled()) or s.logprobs(*a, **k)))
     cfg = C.replace(runs["erase"][0], run={"steps": 1, "dir": str(tmp_path / "b0")})
     T.train(cfg)
     assert calls == [True]  # one micro-batch: the training forward only
@@ -233,6 +233,22 @@ def test_gradient_accumulation_matches_one_big_batch(runs, tmp_path):
         grads[micro] = spy.calls[0]["g"]
     for n in grads[2]:
         torch.testing.assert_close(grads[1][n], grads[2][n], rtol=1e-5, atol=1e-8)
+
+
+def test_shared_prefix_gives_the_packed_forwards_gradients(runs, tmp_path):
+    # rollout.share_prefix (run/prefix.py) changes how the scoring forwards run, not the math: with teacher
+    # rows, importance ratios and a KL term, step 0's gradient and its per-source split agree to fp32
+    calls = {}
+    for share in (True, False):
+        cfg = C.replace(runs["route"][0], rollout={"share_prefix": share},
+                        run={"steps": 1, "eval_every": 0, "dir": str(tmp_path / f"share{share}")})
+        with pytest.MonkeyPatch.context() as mp:
+            spy = Spy(mp)
+            T.train(cfg)
+        calls[share] = spy.calls[0]
+    for key in ("g", "g_s", "g_t"):  # max |diff| / max |g| per module: fp32 rounding, near-cancelling sums
+        for n, want in calls[False][key].items():
+            assert (calls[True][key][n] - want).abs().max() <= 1e-5 * want.abs().max(), (key, n)
 
 
 def test_zero_variance_groups_are_resampled_then_skipped(runs, tmp_path):

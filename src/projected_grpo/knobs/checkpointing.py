@@ -9,6 +9,8 @@ and training mode also switches dropout on; our training forward runs in eval mo
 variant is required: the fused knob Functions (fused.py) reduce per-sequence gradients in the backward
 of the original graph node, which non-reentrant checkpointing keeps (the reentrant one replays a
 second graph). `recomputing()` tells a forward that it is such a replay, so it registers nothing.
+A KV cache is dropped from a checkpointed forward (a replay would write it twice) unless it says
+`replay_safe = True`: its `update` writes nothing while `recomputing()` (run/prefix.py's caches).
 Not here: which loss or batch is checkpointed (the caller's forward), memory accounting.
 """
 
@@ -37,7 +39,8 @@ def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
     forward = functools.partial(type(layer).forward, layer)  # the class's own forward
     if not torch.is_grad_enabled():  # sampling, reference forwards: nothing to keep for a backward
         return forward(*args, **kwargs)
-    if kwargs.get("use_cache") or kwargs.get("past_key_values") is not None:
+    cache = kwargs.get("past_key_values")
+    if (kwargs.get("use_cache") or cache is not None) and not getattr(cache, "replay_safe", False):
         # a replay would write the KV cache twice; transformers drops it the same way (and warns)
         warnings.warn("gradient checkpointing: a forward with grad runs without the KV cache (pass "
                       "use_cache=False to silence this)", stacklevel=3)

@@ -8,13 +8,45 @@ g_student + g_teacher = the knob's .grad from that backward, without the seed's 
 (`two_backward_split`, kept as the test oracle). Nothing is kept alive between forward and backward
 but the watch itself. Works under gradient checkpointing: the reduction runs in the original graph
 node's backward, and a replayed forward registers no watch. One backward per forward: a second
-backward through a retained graph raises.
+backward through a retained graph raises. A forward whose rows are not the N sequences (run/prefix.py's
+shared prompt rows, one per (prompt, source)) runs under `Capture.rows(its_is_student)`: each watch
+keeps the row -> source map (`Rows`) of the forward that registered it.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import Tensor
+
+
+class Rows:
+    """The row -> source map of one forward: is_student (N,) bool, one entry per row of its batch.
+
+    runs: (start, stop, is_student) of each run of consecutive rows from one source, in order;
+    n_student, n_teacher: row counts; masks(device): the (student, teacher) row masks (N,) bool.
+    """
+
+    def __init__(self, is_student: torch.Tensor):
+        if is_student.dtype != torch.bool or is_student.dim() != 1:
+            raise ValueError(f"is_student must be a 1-D bool tensor (N,), got {is_student.dtype} "
+                             f"{tuple(is_student.shape)}")
+        self.is_student = is_student
+        self.N = is_student.shape[0]
+        flags = is_student.tolist()
+        starts = [i for i in range(len(flags)) if i == 0 or flags[i] != flags[i - 1]]
+        self.runs = [(a, b, bool(flags[a])) for a, b in zip(starts, [*starts[1:], len(flags)])]
+        self.n_student = sum(b - a for a, b, s in self.runs if s)
+        self.n_teacher = self.N - self.n_student
+        self._w: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def masks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device not in self._w:
+            s = self.is_student.to(device=device, dtype=torch.bool)
+            self._w[device] = (s, ~s)
+        return self._w[device]
 
 
 class Capture:
@@ -25,38 +57,41 @@ class Capture:
     (only if requested). Several backwards inside one context accumulate (like .grad). For gradient
     accumulation over microbatches with different masks, open one capture per microbatch and add them:
     `total = cap1 + cap2` (sums g_*, concatenates per_sequence along N).
+    A forward over other rows than the N sequences (the shared prompt rows of run/prefix.py) runs
+    inside `with cap.rows(its_is_student):`, so its knob gradients are split by its own rows' sources.
     """
 
     def __init__(self, is_student: torch.Tensor, per_sequence: bool = False):
-        if is_student.dtype != torch.bool or is_student.dim() != 1:
-            raise ValueError(f"is_student must be a 1-D bool tensor (N,), got {is_student.dtype} "
-                             f"{tuple(is_student.shape)}")
+        self._rows = Rows(is_student)
         self.is_student = is_student
         self.want_per_sequence = per_sequence
         self.g_student: dict[str, torch.Tensor] = {}
         self.g_teacher: dict[str, torch.Tensor] = {}
         self.per_sequence: dict[str, torch.Tensor] = {}
         self._watches: list[Watch] = []
-        self._w: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # (student, teacher) masks
-        flags = is_student.tolist()
-        starts = [i for i in range(len(flags)) if i == 0 or flags[i] != flags[i - 1]]
-        # (start, stop, is_student) per run of consecutive rows from one source
-        self.runs = [(a, b, bool(flags[a])) for a, b in zip(starts, [*starts[1:], len(flags)])]
 
-    def _masks(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._w:
-            s = self.is_student.to(device=device, dtype=torch.bool)
-            self._w[device] = (s, ~s)
-        return self._w[device]
+    @contextlib.contextmanager
+    def rows(self, is_student: torch.Tensor) -> Iterator[Capture]:
+        """Context: knob forwards inside see a batch of len(is_student) rows with these sources (a
+        forward whose rows are not the capture's sequences, e.g. prompts shared by several of them).
+        Per-sequence capture refuses: a row shared by several sequences has no per-sequence gradient."""
+        if self.want_per_sequence:
+            raise RuntimeError("capture: per-sequence gradients need one row per sequence; score the "
+                               "batch with the packed forward (run.rollout.forward_logprobs)")
+        saved, self._rows = self._rows, Rows(is_student)
+        try:
+            yield self
+        finally:
+            self._rows = saved
 
     def watch(self, name: str, lead_shape: tuple[int, ...]) -> Watch:
         """Called from a knob forward whose input has leading dims `lead_shape` (N, ...); its backward
         hands the returned Watch that knob's gradient, per sequence or already summed per source."""
-        N = self.is_student.shape[0]
+        N = self._rows.N
         if len(lead_shape) < 1 or lead_shape[0] != N:
             raise ValueError(f"capture: module {name} saw input of shape {lead_shape} but "
                              f"is_student has N={N} rows; the batch dim must be the sequence dim")
-        w = Watch(self, name)
+        w = Watch(self, name, self._rows)
         self._watches.append(w)
         return w
 
@@ -101,19 +136,18 @@ class Watch:
 
     per_sequence: the capture wants (N, R) rows, so the backward must produce them. Otherwise it may
     hand per-source sums instead (`sources`), computed as it likes. n_student, n_teacher: row counts;
-    runs: (start, stop, is_student) of each run of consecutive rows from one source, in order.
+    runs: (start, stop, is_student) of each run of consecutive rows from one source, in order (of the
+    rows that forward saw: see `Capture.rows`).
     """
 
-    def __init__(self, cap: Capture, name: str):
-        self.cap, self.name, self.fired = cap, name, False
+    def __init__(self, cap: Capture, name: str, rows: Rows):
+        self.cap, self.name, self.fired, self._rows = cap, name, False, rows
         self.per_sequence = cap.want_per_sequence
-        self.runs = cap.runs
-        self.n_student = sum(b - a for a, b, s in self.runs if s)
-        self.n_teacher = sum(b - a for a, b, s in self.runs if not s)
+        self.runs, self.n_student, self.n_teacher = rows.runs, rows.n_student, rows.n_teacher
 
     def masks(self, device: torch.device) -> tuple[Tensor, Tensor]:
         """(student, teacher) row masks (N,) bool on `device`."""
-        return self.cap._masks(device)
+        return self._rows.masks(device)
 
     def _fire(self) -> None:
         if self.fired:

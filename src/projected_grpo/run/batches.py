@@ -142,7 +142,7 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
                     got = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in rows],
                                            prompt_ids, n, max_new_tokens=cfg.rollout.max_new_tokens,
                                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                           seed=seed, clock=clock)
+                                           seed=seed, clock=clock, share_prefill=cfg.rollout.share_prefix)
                 for j, b in enumerate(rows):
                     groups[b] = got[j * n:(j + 1) * n] + teacher[b]
             # ground-truth baselines only (gt_reward: reward_from oracle; gt_penalty: hack_penalty > 0): the
@@ -160,7 +160,8 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
                 shown = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in mine], prompt_ids,
                                          G - G_t, max_new_tokens=cfg.rollout.max_new_tokens,
                                          temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                         seed=seeds(cfg.run.seed, step, 0, mine), clock=clock)
+                                         seed=seeds(cfg.run.seed, step, 0, mine), clock=clock,  # students'
+                                         share_prefill=cfg.rollout.share_prefix)
             deploy = [s.grade for s in shown]
         local = Batch(step, stage, [pids[b] for b in mine], [groups[b] for b in mine], rewards, zero, deploy,
                       resampled, tries, clock, shard=mine if dist.active() else None)

@@ -1,6 +1,6 @@
-"""The preallocated KV cache of `rollout.generate`: transformers' DynamicCache whose full-attention layers
-write into a buffer sized once for prompt + max_new_tokens and hand out views of its filled part, instead
-of a torch.cat of the whole cache each token (O(L²) traffic). Same keys and values, bit for bit.
+"""KV caches for `rollout.generate`'s decode, by name (KV_CACHES): "preallocated" (the default) writes into
+buffers sized once for prompt + max_new_tokens; "dynamic" is transformers' own DynamicCache. Both give the
+same keys and values bit for bit. Not here: the decode loop (rollout.py), the scoring caches (prefix.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import Tensor
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 
-class GrowingLayer(DynamicLayer):
+class _GrowingLayer(DynamicLayer):
     """A full-attention KV-cache layer that writes into a buffer sized for the whole decode and returns views
     of its filled part: the same keys and values as transformers' DynamicLayer, bit for bit, without its
     torch.cat per step (a copy of the whole cache each token: O(L²) traffic). transformers' StaticCache
@@ -37,20 +37,26 @@ class GrowingLayer(DynamicLayer):
         self._n, self.keys, self.values = n, self._k[:, :, :n], self._v[:, :, :n]
         return self.keys, self.values
 
+    def reorder_cache(self, beam_idx: Tensor) -> None:
+        """Keep rows beam_idx (B',) of the buffers (share_prefill: each prompt's row to its samples)."""
+        if self.is_initialized:
+            self._k, self._v = self._k.index_select(0, beam_idx), self._v.index_select(0, beam_idx)
+            self.keys, self.values = self._k[:, :, :self._n], self._v[:, :, :self._n]
 
-def preallocated_cache(model, capacity: int) -> DynamicCache | None:
-    """transformers' DynamicCache for `model` with its plain full-attention layers swapped for GrowingLayer
+
+def _preallocated_cache(model, capacity: int) -> DynamicCache | None:
+    """transformers' DynamicCache for `model` with its plain full-attention layers swapped for _GrowingLayer
     (sliding-window, linear-attention and other layer kinds are kept as they are). A model without a
     transformers config gets None: it builds its own cache."""
     if getattr(model, "config", None) is None:
         return None
     cache = DynamicCache(config=model.config)
-    cache.layers = [GrowingLayer(capacity) if type(layer) is DynamicLayer else layer
+    cache.layers = [_GrowingLayer(capacity) if type(layer) is DynamicLayer else layer
                     for layer in cache.layers]
     return cache
 
 
 # name -> fn(model, capacity) -> past_key_values of the first decode step (None: the model builds its own)
 KV_CACHES: dict[str, Callable[[object, int], DynamicCache | None]] = {
-    "preallocated": preallocated_cache, "dynamic": lambda model, capacity: None,
+    "preallocated": _preallocated_cache, "dynamic": lambda model, capacity: None,
 }

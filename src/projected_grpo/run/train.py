@@ -36,7 +36,8 @@ from projected_grpo.objective.losses import (
 )
 from projected_grpo.objective.teacher import TEACHER_MODES
 from projected_grpo.run import batches, checkpoint, dist, dpo, metrics, ppo, session, setup
-from projected_grpo.run.rollout import forward_logprobs, pack, pad_right
+from projected_grpo.run.prefix import scoring
+from projected_grpo.run.rollout import pad_right
 from projected_grpo.run.row import eval_rates, step_row
 from projected_grpo.run.schedule import lr_at
 
@@ -53,6 +54,7 @@ def train(cfg: C.Config) -> dict:
     with dist.main_first():
         model, tok = setup.load_model(cfg)
         knobs = setup.wrap_knobs(cfg, model)
+    score = scoring(model, cfg.rollout.share_prefix)  # each group's prompt run once, or per row (packed)
     with contextlib.closing(setup.make_env(cfg)) as env:
         # --- prompts, teacher pool (pool.missing: restrict / refuse / all-student groups), cursors ---
         data = session.open_data(cfg, env, tok, run_dir)
@@ -113,17 +115,18 @@ def train(cfg: C.Config) -> dict:
             for c in range(0, len(mine), cfg.rollout.micro):
                 mb = [s for b in mine[c:c + cfg.rollout.micro] for s in batch.groups[b]]
                 mb_adv = adv[mine[c:c + cfg.rollout.micro]].reshape(-1)  # (N,)
-                seqs = pack([s.prompt_ids for s in mb], [s.completion_ids for s in mb],
-                            tok.pad_token_id).to(cfg.model.device)
+                mb_student = torch.tensor([s.student for s in mb], device=cfg.model.device)  # (N,)
+                seqs = score.pack([s.prompt_ids for s in mb], [s.completion_ids for s in mb],
+                                  tok.pad_token_id, mb_student).to(cfg.model.device)
                 mask = seqs.completion_mask  # (N, T)
-                mb_student = torch.tensor([s.student for s in mb], device=mask.device)  # (N,)
                 logp_b = pad_right([s.logp_behaviour or [] for s in mb], seqs.T).to(mask.device)  # (N, T)
                 if cfg.loss.beta > 0:  # at beta 0 the KL term has no weight: no reference forward at all
-                    with torch.no_grad(), knobs.zeroed():  # the free reference: zero knobs = the base model
-                        logp_ref, _ = forward_logprobs(model, seqs, temperature=cfg.rollout.temperature)
+                    with torch.inference_mode(), knobs.zeroed():  # the free reference: knobs zeroed = base
+                        logp_ref, _ = score.logprobs(model, seqs, temperature=cfg.rollout.temperature)
+                    logp_ref = logp_ref.clone()  # an ordinary tensor: the KL term's autograd may save it
                 with knobs.capture(mb_student) as cap:  # per-source knob grads from this one backward
-                    logp, entropy = forward_logprobs(model, seqs, temperature=cfg.rollout.temperature,
-                                                     with_entropy=True)  # (N, T) each
+                    logp, entropy = score.logprobs(model, seqs, temperature=cfg.rollout.temperature,
+                                                   with_entropy=True, capture=cap)  # (N, T) each
                     logp_old, weight, t_stats = TEACHER_MODES[cfg.loss.teacher](
                         logp, logp_b, mb_student, mask, cfg.loss.is_trunc)
                     # one optimizer step per generation: students' ratio is exactly 1 (clip inert for them)
