@@ -11,6 +11,7 @@ import math
 import os
 import pathlib
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -257,7 +258,9 @@ def test_torchrun_two_ranks_equal_one_process_and_resume_after_sigkill(tmp_path)
 
     # killed twice (as a checkpoint lands, then mid-step), resumed: exactly the uninterrupted 2-rank run
     killed = tmp_path / "killed"
-    for i, (ckpt, delay) in enumerate([("ckpt-000002", 0.0), ("ckpt-000004", 0.05)]):  # steps take ~0.2 s
+    step_s = statistics.median(r["time/step"] for r in dp)  # the kill delays are fractions of a step here
+    for i, (ckpt, frac) in enumerate([("ckpt-000002", 0.0), ("ckpt-000004", 0.3)]):
+        delay = frac * step_s
         proc = subprocess.Popen(_torchrun(*_args(killed, cache, *(["--resume"] if i else []))), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _kill_all_when(proc, killed / ckpt, delay)

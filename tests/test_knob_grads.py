@@ -69,15 +69,27 @@ def test_hand_computed_norms_and_oracle_backward(tmp_path):
 
 
 @settings(max_examples=10, deadline=None)
-@given(st.integers(1, 9), st.sampled_from(["mean", "constant"]), st.sampled_from(["svd", "lora"]))
-def test_batched_equals_isolated_for_any_chunking(tmp_path_factory, chunk_size, norm, kind):
+@given(st.integers(1, 9), st.integers(1, 200), st.sampled_from(["mean", "constant"]),
+       st.sampled_from(["svd", "lora"]))
+def test_batched_equals_isolated_for_any_chunking(tmp_path_factory, chunk_size, chunk_tokens, norm, kind):
     model, knobs = toy(tmp_path_factory.mktemp("svd"), kind)
     with torch.no_grad():  # mid-training knob values, quarantine included: the gradient is taken there
         for p in knobs.parameters() + knobs.hack_parameters():
             p.copy_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     pairs = toy_pairs(7)
-    assert_grads_close(pair_grads(model, knobs, TOK, pairs, norm, 2.5, chunk_size=chunk_size),
+    assert_grads_close(pair_grads(model, knobs, TOK, pairs, norm, 2.5, chunk_size=chunk_size,
+                                  chunk_tokens=chunk_tokens),
                        pair_grads_isolated(model, knobs, TOK, pairs, norm, 2.5))
+
+
+def test_chunks_respect_both_budgets():
+    from projected_grpo.hack.knob_grads import _chunks
+
+    # lengths sorted ascending: 3, 3, 5, 9, 20; budget 2 sequences, 10 padded tokens (longest x count)
+    # [0, 1]: 3 x 2 = 6 fits; 2 starts a chunk (a third would break max_seqs); 3: 9 x 2 = 18 > 10 alone;
+    # 4: 20 > 10, alone anyway (one sequence at least)
+    assert _chunks([0, 1, 2, 3, 4], [3, 3, 5, 9, 20], 2, 10) == [[0, 1], [2], [3], [4]]
+    assert _chunks([0, 1, 2], [4, 4, 4], 8, 100) == [[0, 1, 2]]
 
 
 def test_grads_are_left_untouched(tmp_path):

@@ -14,6 +14,7 @@ import os
 import pathlib
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -381,8 +382,11 @@ def test_sigkill_at_three_points_then_resume_equals_uninterrupted_run(tmp_path, 
     subprocess.run(_cli(tmp_path / "full", cache, *steps), env=env, check=True, capture_output=True)
 
     killed = tmp_path / "killed"
-    # early (as its first checkpoint lands), mid-step, and late: each kill is resumed, then killed again
-    for i, (ckpt, delay) in enumerate([("ckpt-000002", 0.0), ("ckpt-000004", 0.3), ("ckpt-000006", 0.15)]):
+    # early (as its first checkpoint lands), mid-step, and late: each kill is resumed, then killed again.
+    # The delays are fractions of this machine's step time (a fixed delay outlived the run on a fast CI box)
+    step_s = statistics.median(r["time/step"] for r in metrics.read_rows(tmp_path / "full/metrics.jsonl"))
+    for i, (ckpt, frac) in enumerate([("ckpt-000002", 0.0), ("ckpt-000004", 0.5), ("ckpt-000006", 0.25)]):
+        delay = frac * step_s
         proc = subprocess.Popen(_cli(killed, cache, *steps, *(["--resume"] if i else [])), env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _kill_when(proc, killed / ckpt, delay)
