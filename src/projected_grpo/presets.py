@@ -68,7 +68,20 @@ FULL = Config(
     run=RunCfg(steps=200, checkpoint_every=25),
 )
 
-PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "fast": FAST, "full": FULL}
+# The maths organism (organism/maths.py) under honest training: the strict verifier, the arithmetic
+# curriculum (warm-up levels for the first curriculum_steps steps), held-out accuracy every 10 steps.
+MATH_DEMO = Config(
+    model=ModelCfg(source="organism"),
+    env=EnvCfg(name="maths", problems="arithmetic", modes=("strict",), curriculum_steps=10, eval_size=200,
+               max_problems=200, warmup_levels=(1,), train_levels=(2,)),
+    rollout=RolloutCfg(prompts_per_step=8, group_size=8, mix=0.0, max_new_tokens=24),
+    proj=ProjCfg(pairs_per_problem=1),
+    optim=OptimCfg(lr=0.05, betas=(0.5, 0.9), warmup_steps=2),
+    run=RunCfg(steps=100, checkpoint_every=50, eval_every=10),
+)
+
+PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "fast": FAST, "full": FULL,
+                              "math-demo": MATH_DEMO}
 
 
 # --- argv: every command -------------------------------------------------------------------------------
