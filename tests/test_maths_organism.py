@@ -157,7 +157,16 @@ def test_cli_builds_and_prints_the_checks(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "greedy   all" in out and "T1       all" in out
     (built,) = (tmp_path / "organism").iterdir()
-    assert json.loads((built / "checks.json").read_text())["greedy"]["all"]["n"] == 4
+    checks = json.loads((built / "checks.json").read_text())
+    assert checks["greedy"]["all"]["n"] == 8  # 4 at the train level (2), 4 at the warm-up level (1)
+    assert {g.split("/")[0] for g in checks["greedy"]} == {"all", "L1", "L2"}
+
+
+def test_check_problems_are_held_out_at_every_level():
+    problems = M.check_problems(TINY, 10)
+    corpus = {p.question for p in M.maths_corpus(TINY).problems}
+    assert [p.level for p in problems] == [2] * 10 + [1] * 10 and not corpus & {p.question for p in problems}
+    assert problems[:10] == M.corpus_env(TINY, 10).problem_sets()["eval"]  # what a run's eval reads
 
 
 # --- model.source = organism picks the organism of env.name ----------------------------------------------

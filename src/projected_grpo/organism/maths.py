@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 import torch
 import tyro
 
-from projected_grpo.envs.maths.env import MathEnv
+from projected_grpo.envs.maths import arithmetic
+from projected_grpo.envs.maths.env import HELDOUT_SEED, MathEnv
 from projected_grpo.organism.build import OrganismConfig, build_organism, load_organism
 from projected_grpo.organism.warmup import Corpus, env_corpus
 from projected_grpo.run.rollout import encode_prompt, sample_and_grade, step_seed
@@ -82,6 +83,17 @@ def build_maths_organism(cfg: MathsOrganismConfig = MathsOrganismConfig(), *,
                           log=log, threads=threads)
 
 
+def check_problems(cfg: MathsOrganismConfig, eval_size: int) -> list:
+    """What the checks sample: the environment's eval list (the first `eval_size` at the train levels: what
+    a run's eval/accuracy reads), then as many held-out problems at the warm-up levels, none of them in the
+    corpus (drawn from the eval list's seed, skipping the corpus's questions)."""
+    seen = frozenset(p.question for p in maths_corpus(cfg).problems)
+    easy = [lv for lv in cfg.warmup_levels if lv not in cfg.train_levels]
+    extra = arithmetic.problem_list(HELDOUT_SEED, easy, eval_size, ("strict", "contains"), exclude=seen) \
+        if easy and eval_size else []
+    return corpus_env(cfg, eval_size).problem_sets().get("eval", []) + extra
+
+
 def _rates(grades: Sequence) -> dict[str, float]:
     n = len(grades)
     pairs = (("solve", "solved"), ("hack", "exploited"), ("pass", "passed"), ("format", "format_ok"))
@@ -134,7 +146,8 @@ class MathsBuildOpts:
     cache_dir: str = ""
     """cache root ("" = $PROJECTED_GRPO_CACHE, else ~/.cache/projected_grpo)"""
     eval_size: int = 200
-    """held-out eval problems to check (both modes); 0 skips the checks"""
+    """held-out problems to check at the train levels, and as many at the warm-up levels (both modes);
+    0 skips the checks"""
     samples: int = 4
     """samples per problem at T = 1"""
     max_new_tokens: int = 32
@@ -152,8 +165,9 @@ def main(argv: list[str]) -> int:
         model, tok, _ = load_organism(path)
         env = corpus_env(opts.organism, opts.eval_size)
         t0 = time.perf_counter()
-        checks = maths_checks(model, tok, env, env.problem_sets()["eval"], n_samples=opts.samples,
-                              max_new_tokens=opts.max_new_tokens, seed=opts.organism.model.seed)
+        checks = maths_checks(model, tok, env, check_problems(opts.organism, opts.eval_size),
+                              n_samples=opts.samples, max_new_tokens=opts.max_new_tokens,
+                              seed=opts.organism.model.seed)
         print(format_maths_checks(checks))
         for text in checks["examples"]:
             print(f"--- greedy sample:\n{text}")

@@ -202,10 +202,6 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
     stage = lambda i, what: log(f"[stage {i}/4 at {time.perf_counter() - t0:.0f} s] {what}")
     stage(1, "model")
     tok = prepare_model(base, log)
-    eval_start = None
-    if base.run.eval_every:  # step 0 of the eval curves: training logs eval/* only after updates
-        eval_start = start_eval.start_evals(base, seeds, out / report.EVAL_START_FILE)
-        log(f"held-out eval of the starting model: {json.dumps(eval_start)}")
     stage(2, "teacher pool" + (f" and pairs without mode {lomo} (leave-one-mode-out)" if lomo else ""))
     user_base, notes = base, []
     if lomo:
@@ -222,6 +218,10 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
              "extracts it into the cache (no output until done), the others load it")
     counts = launch.run_all(runs, out / "plans", log, jobs=jobs)
     stage(4, "report")
+    eval_start = None
+    if base.run.eval_every:  # step 0 of the eval curves (training logs eval/* only after updates); cached
+        eval_start = start_eval.start_evals(base, seeds, out / report.EVAL_START_FILE)
+        log(f"held-out eval of the starting model (knobs zero): {json.dumps(eval_start)}")
     by_arm = {a: [r.dir for r in runs if r.arm == a] for a in arms}
     notes.append(f"this invocation: {counts['trained']} runs trained, {counts['resumed']} resumed, "
                  f"{counts['skipped']} skipped as already finished")
