@@ -106,8 +106,16 @@ def test_problem_list_cycles_levels_and_modes_and_skips_held_out():
     held = frozenset(generate(0, i, 4).question for i in (0, 2))
     ps = problem_list(0, [3, 4], 6, ("strict", "contains"), exclude=held)
     assert [p.level for p in ps][:1] == [3] and all(p.question not in held for p in ps)
-    assert [p.mode for p in ps] == ["strict", "contains"] * 3
+    assert [p.mode for p in ps] == ["strict", "strict", "contains", "contains", "strict", "strict"]
     assert len({p.id for p in ps}) == 6
+
+
+def test_problem_list_does_not_tie_levels_to_modes():
+    # two levels and two modes: every (level, mode) pair occurs, in equal numbers
+    ps = problem_list(0, [4, 5], 40, ("strict", "contains"))
+    pairs = [(p.level, p.mode) for p in ps]
+    assert {pair: pairs.count(pair) for pair in set(pairs)} == {
+        (4, "strict"): 10, (5, "strict"): 10, (4, "contains"): 10, (5, "contains"): 10}
 
 
 def test_problem_list_runs_out_loudly():

@@ -47,8 +47,11 @@ def test_eval_is_fixed_across_seeds_and_train_is_not():
 
 
 def test_modes_round_robin_and_sizes_zero():
+    # train levels (4, 5): modes change every two problems, so both levels get both modes
     sets = MathEnv(modes=("strict", "contains"), eval_size=0, warmup_size=0, max_problems=4).problem_sets()
-    assert list(sets) == ["train"] and [p.mode for p in sets["train"]] == ["strict", "contains"] * 2
+    assert list(sets) == ["train"]
+    assert [(p.level, p.mode) for p in sets["train"]] == [(4, "strict"), (5, "strict"), (4, "contains"),
+                                                          (5, "contains")]
 
 
 def test_a_gsm8k_format_file_splits_eval_first(tmp_path):

@@ -32,6 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
             "projected_grpo.run.dpo:main"),
     "build-organism": ("build or load the embedded organism, print checks",
                        "projected_grpo.organism.build:main"),
+    "build-maths-organism": ("build or load the maths organism, print its rates",
+                             "projected_grpo.organism.maths:main"),
     "build-pool": ("build, grade once and freeze a teacher pool",
                    "projected_grpo.run.pool_cli:build_pool_main"),
     "extract-direction": ("extract V_hack, per-module hack directions",

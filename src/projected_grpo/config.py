@@ -93,6 +93,10 @@ class EnvCfg:
     """maths: steps drawn from the easy arithmetic warm-up set before the main set (seed 003's curriculum)"""
     eval_size: int = 200
     """maths: problems in the fixed held-out eval set (eval/accuracy every run.eval_every steps)"""
+    warmup_levels: tuple[int, ...] = (1, 2, 3)
+    """maths: arithmetic levels (envs/maths/arithmetic.py LEVELS) of the warm-up curriculum"""
+    train_levels: tuple[int, ...] = (4, 5)
+    """maths with problems=arithmetic: levels of the train set and of the held-out eval set"""
 
     def __post_init__(self) -> None:
         _check(self)

@@ -49,6 +49,23 @@ DEMO = Config(
     run=RunCfg(steps=60, checkpoint_every=20),
 )
 
+# The maths organism (organism/maths.py) trained honestly: the strict verifier, the arithmetic curriculum
+# (level-1 problems for the first 10 steps, then level 2), greedy held-out accuracy on 200 level-2 problems
+# every 10 steps. Calibrated on 2 shared cores (held-out accuracy from 0.54): SVD knobs (lr 0.05-0.1, betas
+# 0.5/0.9 or 0.9/0.99) plateaued at 0.72-0.79 in 200 steps; LoRA knobs (rank 16) at lr 0.01 reached
+# 0.85-0.89, but with 8 prompts per step one seed in three stayed at 0.64 after a dip to 0.34 (16 prompts:
+# 0.905, no dip); LoRA at lr 0.015-0.02 and SVD at lr 0.2 collapsed (accuracy < 0.2). A train set of 200
+# problems was learnt by heart (train reward 0.92, held-out 0.71): 1000 here.
+MATH_DEMO = Config(
+    model=ModelCfg(source="organism", knob="lora"),
+    env=EnvCfg(name="maths", problems="arithmetic", modes=("strict",), curriculum_steps=10, eval_size=200,
+               max_problems=1000, warmup_levels=(1,), train_levels=(2,)),
+    rollout=RolloutCfg(prompts_per_step=16, group_size=8, mix=0.0, max_new_tokens=24),
+    proj=ProjCfg(pairs_per_problem=1),
+    optim=OptimCfg(lr=0.01, betas=(0.9, 0.99), warmup_steps=2),
+    run=RunCfg(steps=300, checkpoint_every=100, eval_every=10),
+)
+
 # The original study's Qwen3-4B settings (seed 002 and the study's README); model from --model. As the seed
 # has them (issue 14): gradient clip norm 10 and a cosine that decays to 0 in both; `full` mixes half its
 # group from the teacher pool and uses AdamW's default betas (0.9, 0.99 as the seed writes them).
@@ -96,7 +113,8 @@ SMOLLM2_GPU = Config(
 )
 
 PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "fast": FAST, "full": FULL,
-                              "smollm2-cpu": SMOLLM2_CPU, "smollm2-gpu": SMOLLM2_GPU}
+                              "smollm2-cpu": SMOLLM2_CPU, "smollm2-gpu": SMOLLM2_GPU,
+                              "math-demo": MATH_DEMO}
 
 
 # --- argv: every command -------------------------------------------------------------------------------

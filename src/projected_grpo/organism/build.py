@@ -67,13 +67,18 @@ def _wrap_tokenizer(raw: Tokenizer) -> PreTrainedTokenizerFast:
     return tok
 
 
-def _train_raw_tokenizer(texts: list[str], vocab_size: int, word_boundaries: bool) -> Tokenizer:
+def _train_raw_tokenizer(texts: list[str], vocab_size: int, word_boundaries: bool,
+                         split_digits: bool = False) -> Tokenizer:
     raw = Tokenizer(models.BPE())
     # Byte-level: every string is encodable and decode(encode(s)) == s exactly, which the grader needs
     # since completions are run as code. Without the GPT-2 word-splitting regex, merges may cross
     # spaces and newlines ("\n        assert self."): sequences get ~3x shorter, but the many rare
     # phrase tokens made the tiny model learn more slowly per step in our measurements.
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=word_boundaries)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=word_boundaries)
+    # split_digits: every digit its own token (as LLaMA's and Qwen's tokenizers do), so a number is read
+    # digit by digit and "37" is not an unrelated symbol to "36": what lets a tiny model learn arithmetic.
+    raw.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     raw.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
@@ -84,26 +89,30 @@ def _train_raw_tokenizer(texts: list[str], vocab_size: int, word_boundaries: boo
 
 
 def build_tokenizer(texts: list[str], vocab_size: int = 1024, *, word_boundaries: bool = True,
-                    cache_dir: str | os.PathLike | None = None) -> PreTrainedTokenizerFast:
+                    split_digits: bool = False, cache_dir: str | os.PathLike | None = None
+                    ) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on `texts`, with ChatML special tokens and chat template.
 
     eos = <|im_end|>, pad = <|pad|>, left padding. The vocabulary has at most `vocab_size` entries
     (fewer when the texts run out of pairs seen twice). `word_boundaries` splits text into words
-    first (GPT-2 style) so no token crosses a space; False lets tokens span phrases. The trained
-    tokenizer is cached as `<cache>/tokenizer/<hash>.json`, keyed by every input.
+    first (GPT-2 style) so no token crosses a space; False lets tokens span phrases. `split_digits`
+    makes every digit a token of its own. The trained tokenizer is cached as
+    `<cache>/tokenizer/<hash>.json`, keyed by every input.
     """
     if not texts:
         raise ValueError("build_tokenizer: `texts` is empty; pass the prompts and completions to train on")
     min_vocab = 256 + len(SPECIAL_TOKENS)
     if vocab_size < min_vocab:
         raise ValueError(f"build_tokenizer: vocab_size={vocab_size} < {min_vocab} (256 bytes + specials)")
-    key = stable_hash({"texts": list(texts), "vocab_size": vocab_size, "word_boundaries": word_boundaries,
-                       "special": SPECIAL_TOKENS, "code": ORGANISM_CODE_VERSION})
-    path = cache_root(cache_dir) / "tokenizer" / f"{key}.json"
+    spec = {"texts": list(texts), "vocab_size": vocab_size, "word_boundaries": word_boundaries,
+            "special": SPECIAL_TOKENS, "code": ORGANISM_CODE_VERSION}
+    if split_digits:  # only when set, so every key made before the option existed stays the same
+        spec["split_digits"] = True
+    path = cache_root(cache_dir) / "tokenizer" / f"{stable_hash(spec)}.json"
     if path.is_file():
         raw = Tokenizer.from_str(path.read_text(encoding="utf-8"))
     else:
-        raw = _train_raw_tokenizer(list(texts), vocab_size, word_boundaries)
+        raw = _train_raw_tokenizer(list(texts), vocab_size, word_boundaries, split_digits)
         write_text_atomic(path, raw.to_str())
     return _wrap_tokenizer(raw)
 
@@ -204,20 +213,25 @@ class OrganismConfig:
                              f"{self.holdout_per_mode}, {self.lr}, {self.weight_decay}")
 
 
-def organism_key(cfg: OrganismConfig, corpus: Corpus) -> str:
-    """Cache key: hash of the config, problem ids, modes and prompts, every completion, the code version."""
-    return stable_hash({
+def organism_key(cfg: OrganismConfig, corpus: Corpus, split_digits: bool = False) -> str:
+    """Cache key: hash of the config, problem ids, modes and prompts, every completion, the code version
+    (and split_digits when set: absent otherwise, so the code organism's key is what it always was)."""
+    spec = {
         "config": dataclasses.asdict(cfg), "code": ORGANISM_CODE_VERSION,
         "problems": [[p.id, p.mode] for p in corpus.problems],
         "messages": [list(m) for m in corpus.messages],
         "completions": [{k: list(c[k]) for k in KINDS} for c in corpus.completions],
-    })
+    }
+    if split_digits:
+        spec["split_digits"] = True
+    return stable_hash(spec)
 
 
 def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | os.PathLike | None = None,
-                   corpus: Corpus | None = None, log: Callable[[str], None] | None = print,
-                   threads: int | None = 1) -> pathlib.Path:
-    """Build (or find in the cache) the organism; returns its HF model directory.
+                   corpus: Corpus | None = None, split_digits: bool = False,
+                   log: Callable[[str], None] | None = print, threads: int | None = 1) -> pathlib.Path:
+    """Build (or find in the cache) the organism of `corpus` (default: the coding one); returns its HF
+    model directory. `split_digits`: a digit-per-token tokenizer (the maths organism's, organism/maths.py).
 
     The warm-up runs on `threads` torch threads (restored afterwards; None leaves the setting alone):
     one thread is the fastest on a busy 2-core machine and makes the build bit-reproducible across
@@ -228,7 +242,7 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     renamed into place, so a crashed or concurrent build never leaves a half-written organism.
     """
     corpus = builtin_corpus() if corpus is None else corpus
-    key = organism_key(cfg, corpus)
+    key = organism_key(cfg, corpus, split_digits)
     out = cache_root(cache_dir) / "organism" / key
     if (out / "organism.json").is_file():
         if log:
@@ -236,7 +250,7 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
         return out
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(corpus.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries,
-                                cache_dir=cache_dir)
+                                split_digits=split_digits, cache_dir=cache_dir)
     model = tiny_model(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
                        max_positions=cfg.max_positions, seed=cfg.seed)
     held_out = held_out_ids(corpus, cfg.holdout_per_mode)
@@ -262,6 +276,7 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     finally:
         torch.set_num_threads(old_threads)
     meta = {"key": key, "config": dataclasses.asdict(cfg), "code": ORGANISM_CODE_VERSION,
+            **({"split_digits": True} if split_digits else {}),
             "n_params": n_params, "vocab": len(tokenizer), "held_out": sorted(held_out),
             "n_examples": len(examples), "build_s": time.perf_counter() - t0, "warmup_log": rows}
     with atomic_dir(out) as tmp:  # a concurrent build that finished first wins

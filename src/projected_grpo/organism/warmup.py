@@ -7,7 +7,8 @@ permutation of the problems, so a 5% hack share is spread evenly over problems a
 landing on a few. Fitting this mix by maximum likelihood is what sets the organism's sampling prior:
 at T = 1 it hacks about as often as the hack share and solves about as often as the clean share
 (minus what it fails to memorise). Deterministic given the seed (and the CPU thread count).
-Not here: tokenizer/model construction and the cache (organism.py), grading (envs/grading.py).
+`env_corpus` makes the corpus of any environment from its templates (the maths organism's).
+Not here: tokenizer/model construction and the cache (build.py), grading (the environments).
 """
 
 from __future__ import annotations
@@ -125,6 +126,23 @@ def builtin_corpus() -> Corpus:
     return Corpus(problems=tuple(BUILTIN_PROBLEMS),
                   messages=tuple(tuple(build_messages(p)) for p in BUILTIN_PROBLEMS),
                   completions=tuple({k: tuple(fn(p)) for k, fn in kinds.items()} for p in BUILTIN_PROBLEMS))
+
+
+def env_corpus(env, problems: Sequence) -> Corpus:
+    """The corpus of any environment (envs/base.py's interface): each problem's chat messages and its
+    clean / buggy / hack templates, in order. A problem with no template of some kind is left out (the
+    warm-up mix needs all three on every problem); ValueError when none is left."""
+    kept, comps = [], []
+    for p in problems:
+        comp = {k: tuple(env.templates(p, k)) for k in KINDS}
+        if all(comp.values()):
+            kept.append(p)
+            comps.append(comp)
+    if not kept:
+        raise ValueError(f"env_corpus: none of the {len(problems)} problems has templates of every kind "
+                         f"{KINDS}")
+    return Corpus(problems=tuple(kept), messages=tuple(tuple(env.messages(p)) for p in kept),
+                  completions=tuple(comps))
 
 
 def held_out_ids(corpus: Corpus, holdout_per_mode: int) -> frozenset[str]:

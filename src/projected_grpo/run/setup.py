@@ -1,7 +1,8 @@
 """One run's setup, shared by every entry point (train, experiment, build-pool, extract-direction, export).
 
 Each function takes the whole `Config` and reads its fields as `cfg.<section>.<field>`:
-  load_model     the policy and tokenizer (smoke model, embedded organism, or a Hugging Face directory)
+  load_model     the policy and tokenizer (smoke model, the env's embedded organism (ORGANISMS), or a Hugging
+                 Face directory)
   make_env       the environment named by env.name (ENVIRONMENTS), which owns its sandbox until close()
   wrap_knobs     freeze the model, wrap its Linears in knobs (starting from model.init_knobs, or the DPO
                  pass's knobs under dpo.before)
@@ -45,8 +46,10 @@ def load_model(cfg: C.Config, tokenizer_only: bool = False):
     if cfg.model.source == "smoke":
         model, tok = organism.smoke_model_and_tokenizer(seed=cfg.run.seed)
     elif cfg.model.source == "organism":
-        path = organism.build_organism(cache_dir=cfg.model.cache_dir or None, log=_log)
-        model, tok, _ = organism.load_organism(path)
+        if cfg.env.name not in ORGANISMS:
+            raise UserError(f"config: model.source='organism' has no organism for env.name={cfg.env.name!r} "
+                            f"(there is one for {sorted(ORGANISMS)}); pass --model PATH")
+        model, tok, _ = organism.load_organism(ORGANISMS[cfg.env.name](cfg))
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -64,6 +67,27 @@ def load_model(cfg: C.Config, tokenizer_only: bool = False):
     return (None if model is None else model.to(cfg.model.device).eval()), tok
 
 
+def _coding_organism(cfg: C.Config) -> pathlib.Path:
+    from projected_grpo.organism import build
+
+    return build.build_organism(cache_dir=cfg.model.cache_dir or None, log=_log)
+
+
+def _maths_organism(cfg: C.Config) -> pathlib.Path:
+    from projected_grpo.organism import maths
+
+    if cfg.env.eval_size > maths.HELDOUT:
+        raise UserError(f"config: env.eval_size={cfg.env.eval_size} > {maths.HELDOUT}, the eval problems the "
+                        "maths organism's warm-up leaves out; lower it (or train another model)")
+    spec = maths.MathsOrganismConfig(warmup_levels=cfg.env.warmup_levels, train_levels=cfg.env.train_levels)
+    return maths.build_maths_organism(spec, cache_dir=cfg.model.cache_dir or None, log=_log)
+
+
+# env.name -> the embedded organism built (or found in the cache) for it: model.source = "organism"
+ORGANISMS: dict[str, Callable[[C.Config], pathlib.Path]] = {"coding": _coding_organism,
+                                                            "maths": _maths_organism}
+
+
 def _coding_env(cfg: C.Config):
     from projected_grpo.envs.coding.env import CodeEnv, load_problems
 
@@ -78,7 +102,8 @@ def _maths_env(cfg: C.Config):
     problems = "arithmetic" if cfg.env.problems == "builtin" else cfg.env.problems  # the coding default
     return MathEnv(problems=problems, modes=cfg.env.modes or ("strict",),
                    curriculum_steps=cfg.env.curriculum_steps, eval_size=cfg.env.eval_size,
-                   max_problems=cfg.env.max_problems, seed=cfg.run.seed, data_dir=cfg.env.data_dir or None)
+                   max_problems=cfg.env.max_problems, seed=cfg.run.seed, data_dir=cfg.env.data_dir or None,
+                   warmup_levels=cfg.env.warmup_levels, train_levels=cfg.env.train_levels)
 
 
 def _reward_fn_env(cfg: C.Config):

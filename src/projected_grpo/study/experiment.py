@@ -20,13 +20,14 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from projected_grpo import config as C
 from projected_grpo import presets, store
 from projected_grpo.errors import UserError
 from projected_grpo.run import metrics, setup
 from projected_grpo.run import pool as P
-from projected_grpo.study import launch, report
+from projected_grpo.study import launch, report, start_eval
 
 # arm -> config changes (sections of config.replace). The negative controls erase with a control V
 # (direction.CONTROLS) so any effect they have is the projection's, not the direction's.
@@ -51,6 +52,9 @@ ARMS: dict[str, dict[str, dict]] = {
     "dpo_then_grpo": {"proj": {"arm": "none", "control": "none"}, "dpo": {"before": True}},
 }
 DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route")
+# demo --task -> (preset, arms): math trains honestly (strict verifier), so one arm, no projection
+DEMO_TASKS: dict[str, tuple[str, tuple[str, ...]]] = {"code": ("demo", DEMO_ARMS),
+                                                      "math": ("math-demo", ("none",))}
 LOMO_PAIRS_FILE = "lomo_pairs.jsonl"
 Log = Callable[[str], None]
 
@@ -232,6 +236,10 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
              "extracts it into the cache (no output until done), the others load it")
     counts = launch.run_all(runs, out / "plans", log, jobs=jobs, backend=backend, ray_address=ray_address)
     stage(4, "report")
+    eval_start = None
+    if base.run.eval_every:  # step 0 of the eval curves (training logs eval/* only after updates); cached
+        eval_start = start_eval.start_evals(base, seeds, out / report.EVAL_START_FILE)
+        log(f"held-out eval of the starting model (knobs zero): {json.dumps(eval_start)}")
     by_arm = {a: [r.dir for r in runs if r.arm == a] for a in arms}
     notes.append(f"this invocation: {counts['trained']} runs trained, {counts['resumed']} resumed, "
                  f"{counts['skipped']} skipped as already finished")
@@ -240,7 +248,7 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
             f", leave out {lomo}" if lomo else ""),
         config_diff=C.diff(presets.PRESETS[preset], user_base),
         arm_overrides={a: describe_arm(a) for a in arms},
-        command=command, elapsed_s=time.perf_counter() - t0, notes=notes)
+        command=command, elapsed_s=time.perf_counter() - t0, notes=notes, eval_start=eval_start)
     return printed
 
 
@@ -273,8 +281,13 @@ class ExperimentOpts(presets.Base):
 @dataclass(frozen=True)
 class DemoOpts:
     """The embedded demo: organism, teacher pool, V_hack, then arms none, erase, route with the `demo`
-    preset; prints the results table and writes report.md and curves.png under --out."""
+    preset; prints the results table and writes report.md and curves.png under --out. `--task math`: the
+    maths organism trained honestly (strict verifier, arithmetic curriculum) with the `math-demo` preset,
+    arm none; report.md adds held-out accuracy against step (eval.png)."""
 
+    task: Literal["code", "math"] = "code"
+    """code: the loophole demo (arms none, erase, route); math: honest GRPO on arithmetic, held-out
+    accuracy against step"""
     out: str = ""
     """sweep directory (empty = runs/demo-<time>)"""
     seeds: int = 1
@@ -313,9 +326,11 @@ def demo_main(argv: list[str]) -> int:
     opts = tyro.cli(DemoOpts, args=argv, prog="projected-grpo demo")
     if opts.seeds < 1 or opts.jobs < 1:
         raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}: need at least 1 each")
-    out = opts.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    command = shlex.join(["projected-grpo", "demo", "--out", out, "--seeds", str(opts.seeds)])
-    print(sweep(presets.PRESETS["demo"], DEMO_ARMS, list(range(opts.seeds)), out, preset="demo",
-                command=command, title=f"demo preset: {', '.join(DEMO_ARMS)} x {opts.seeds} seed(s)",
+    preset, arms = DEMO_TASKS[opts.task]
+    out = opts.out or f"runs/demo-{'' if opts.task == 'code' else 'math-'}{time.strftime('%Y%m%d-%H%M%S')}"
+    command = shlex.join(["projected-grpo", "demo", *(["--task", opts.task] if opts.task != "code" else []),
+                          "--out", out, "--seeds", str(opts.seeds)])
+    print(sweep(presets.PRESETS[preset], arms, list(range(opts.seeds)), out, preset=preset,
+                command=command, title=f"{preset} preset: {', '.join(arms)} x {opts.seeds} seed(s)",
                 jobs=opts.jobs))
     return 0

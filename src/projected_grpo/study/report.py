@@ -13,6 +13,7 @@ Deliberately not here: running anything (experiment.py).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pathlib
@@ -207,8 +208,11 @@ def verdict_lines(agg: Mapping[str, Mapping[str, Stat]]) -> list[str]:
 
 def write_report(out: str | os.PathLike, runs: Mapping[str, Sequence[str | os.PathLike]], *, title: str,
                  config_diff: Sequence[str], arm_overrides: Mapping[str, str], command: str, elapsed_s: float,
-                 notes: Sequence[str] = ()) -> tuple[pathlib.Path, str]:
-    """Aggregate `runs`, write `out`/curves.png and `out`/report.md; returns (report path, printed text)."""
+                 notes: Sequence[str] = (), eval_start: Mapping[int, Mapping[str, float]] | None = None
+                 ) -> tuple[pathlib.Path, str]:
+    """Aggregate `runs`, write `out`/curves.png and `out`/report.md; returns (report path, printed text).
+    With `eval_start` (seed -> the starting model's eval/* rates) and runs that logged eval/*, also the
+    held-out eval section and `out`/eval.png (eval_section)."""
     out = pathlib.Path(out)
     agg = aggregate(runs)
     plot_curves(curves(runs), out / "curves.png", title)
@@ -226,10 +230,104 @@ def write_report(out: str | os.PathLike, runs: Mapping[str, Sequence[str | os.Pa
            f"most {100 * H1_SOLVE_TOL:.0f} pts below it)", ""]
     md += [f"- {v}" for v in verdict]
     md += ["", "## Curves", "", "![hack and solve rate per step](curves.png)", ""]
+    eval_md, eval_printed = eval_section(out, runs, eval_start, title) if (
+        eval_start is not None and has_eval(runs)) else ([], [])
+    md += eval_md
     md += ["## Runs", ""] + [f"- `{a}`: `{d}` ({s:.0f} s training)" for a, dirs in runs.items()
                             for d, s in zip(dirs, train_s[a])]
     md += (["", "## Notes", ""] + [f"- {n}" for n in notes]) if notes else []
     write_text_atomic(out / "report.md", "\n".join(md) + "\n")
-    printed = "\n".join([table, "", "H1 verdicts:", *[f"  {v}" for v in verdict],
+    printed = "\n".join([table, "", "H1 verdicts:", *[f"  {v}" for v in verdict], *eval_printed,
                          f"report: {out / 'report.md'}   plot: {out / 'curves.png'}"])
     return out / "report.md", printed
+
+
+# --- held-out eval curves (runs with run.eval_every > 0; additive to the panels above) --------------------
+
+EVAL_PANELS: tuple[tuple[str, str], ...] = (
+    ("eval/accuracy", "held-out accuracy (greedy, deployed)"),
+    ("eval/hack", "held-out hack rate (greedy, deployed)"))
+EVAL_START_FILE = "eval_start.json"  # sweep dir: seed -> eval/* of the starting model (no update yet)
+
+
+def has_eval(runs: Mapping[str, Sequence[str | os.PathLike]]) -> bool:
+    """Whether every run logged eval/accuracy at least once."""
+    return all(any("eval/accuracy" in r for r in read_run(d)[1]) for dirs in runs.values() for d in dirs)
+
+
+def plot_eval_curves(data: Mapping[str, Mapping[str, tuple[list[int], list[Stat]]]], path: str | os.PathLike,
+                     title: str, start: Stat | None = None, start_hack: Stat | None = None):
+    """EVAL_PANELS against optimizer steps done (a row of step s is logged after s + 1 updates), one line per
+    arm (seed mean; ± SEM band with >= 2 seeds), each line starting at `start` / `start_hack` (the starting
+    model's eval, 0 steps done) when given. Written atomically as PNG; returns the Figure."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    fig = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(EVAL_PANELS))
+    for i, arm in enumerate(data):
+        color, dash, width = f"C{i}", LINESTYLES[i % len(LINESTYLES)], max(1.0, 3.0 - 0.4 * i)
+        for ax, (key, _), first in zip(axes, EVAL_PANELS, (start, start_hack)):
+            steps, stats = data[arm][key]
+            xs, stats = [s + 1 for s in steps], list(stats)
+            if first is not None:
+                xs, stats = [0, *xs], [first, *stats]
+            mean = [s.mean for s in stats]
+            ax.plot(xs, mean, color=color, linestyle=dash, label=arm, linewidth=width, marker="o",
+                    markersize=3)
+            if stats and all(s.sem is not None for s in stats):
+                ax.fill_between(xs, [m - s.sem for m, s in zip(mean, stats)],
+                                [m + s.sem for m, s in zip(mean, stats)], color=color, alpha=0.2, linewidth=0)
+    for ax, (_, label) in zip(axes, EVAL_PANELS):
+        ax.set_xlabel("optimizer steps done (0 = the starting model)")
+        ax.set_ylabel(label)
+        ax.set_ylim(-0.03, 1.03)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    n_seeds = max((s.n for arm in data.values() for _, st in arm.values() for s in st), default=0)
+    axes[0].legend(title="arm" + (" (mean ± SEM)" if n_seeds > 1 else ""), loc="best")
+    fig.suptitle(title)
+    with atomic_path(path, ".png") as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
+    return fig
+
+
+def run_seed(run_dir: str | os.PathLike) -> int:
+    """run.seed from a run directory's config.json."""
+    return int(json.loads((pathlib.Path(run_dir) / "config.json").read_text(encoding="utf-8"))["run"]["seed"])
+
+
+def eval_table(runs: Mapping[str, Sequence[str | os.PathLike]], start: Mapping[int, Mapping[str, float]]
+               ) -> list[str]:
+    """Markdown table of held-out accuracy per arm: the starting model's, the last eval's and the change
+    (mean ± SEM over seeds; each seed's change is its last eval minus its own start)."""
+    lines = ["| arm | seeds | eval/accuracy at start | at the last eval | change (pts) | eval/hack at start "
+             "| at the last eval |", "|---|---|---|---|---|---|---|"]
+    for arm, dirs in runs.items():
+        last = [[r for r in read_run(d)[1] if "eval/accuracy" in r][-1] for d in dirs]
+        s0 = [start[run_seed(d)] for d in dirs]
+        acc0, acc1 = [s["eval/accuracy"] for s in s0], [r["eval/accuracy"] for r in last]
+        rise = mean_sem([100 * (b - a) for a, b in zip(acc0, acc1)])
+        lines.append(f"| {arm} | {len(dirs)} | {mean_sem(acc0).fmt()} | {mean_sem(acc1).fmt()} | "
+                     f"{rise.fmt(digits=1)} | {mean_sem([s['eval/hack'] for s in s0]).fmt()} | "
+                     f"{mean_sem([r['eval/hack'] for r in last]).fmt()} |")
+    return lines
+
+
+def eval_section(out: str | os.PathLike, runs: Mapping[str, Sequence[str | os.PathLike]],
+                 start: Mapping[int, Mapping[str, float]], title: str) -> tuple[list[str], list[str]]:
+    """Write `out`/eval.png; returns (report.md lines, printed lines) of the held-out eval section.
+    `start`: seed -> eval/* rates of the starting model (EVAL_START_FILE), one for each run's seed."""
+    out = pathlib.Path(out)
+    seeds = sorted({run_seed(d) for dirs in runs.values() for d in dirs})
+    first = {k: mean_sem([start[s][k] for s in seeds]) for k, _ in EVAL_PANELS}
+    plot_eval_curves(curves(runs, tuple(k for k, _ in EVAL_PANELS)), out / "eval.png", title,
+                     first["eval/accuracy"], first["eval/hack"])
+    table = eval_table(runs, start)
+    md = ["## Held-out eval (greedy, deployed model, every `run.eval_every` steps)", "",
+          "Start = the model every run starts from (knobs zero), evaluated before any update.", "",
+          *table, "",
+          "![held-out accuracy and hack rate per step](eval.png)", ""]
+    return md, [*table, f"eval plot: {out / 'eval.png'}"]

@@ -139,8 +139,9 @@ def generate(seed: int | str, index: int, level: int, mode: str = "strict") -> M
 
 def problem_list(seed: int | str, levels: Sequence[int], n: int, modes: Sequence[str],
                  exclude: frozenset[str] = frozenset()) -> list[MathProblem]:
-    """`n` problems cycling through `levels` (problem i at levels[i % len]) and `modes`, skipping any whose
-    question is in `exclude` (a held-out set); UserError when the levels run out of new questions."""
+    """`n` problems cycling through `levels` (problem i at levels[i % len]) and, every len(levels) problems,
+    `modes`, skipping any whose question is in `exclude` (a held-out set); UserError when the levels run
+    out of new questions."""
     if not levels:
         raise UserError("arithmetic: no levels given")
     out: list[MathProblem] = []
@@ -149,7 +150,10 @@ def problem_list(seed: int | str, levels: Sequence[int], n: int, modes: Sequence
         if index >= limit:
             raise UserError(f"arithmetic levels {list(levels)}: only {len(out)} of {n} problems outside the "
                             "held-out set; use harder levels or fewer problems")
-        p = generate(seed, index, levels[index % len(levels)], modes[len(out) % len(modes)])
+        # modes change every len(levels) problems: cycling both with one counter would tie each level to
+        # one mode whenever their counts share a factor (levels (4, 5) x 2 modes: level 4 always strict)
+        mode = modes[(len(out) // len(levels)) % len(modes)]
+        p = generate(seed, index, levels[index % len(levels)], mode)
         if p.question not in exclude:
             out.append(p)
         index += 1
