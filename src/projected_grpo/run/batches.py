@@ -36,7 +36,8 @@ class Batch:
     deploy   the deployed model's grades on this step's prompts, len B * G_s (the students' own grades
              unless the quarantine knob is non-zero). stage: the problem set drawn from.
     resampled / tries: zero-variance groups resampled and resampling rounds. clock: seconds spent in
-    "generate" and "grade" (deploy view included).
+    "generate" and "grade" (deploy view included). deploy_modes: the loophole mode of each `deploy` grade
+    (for the per-mode rates hack/deploy/<mode>).
     """
 
     step: int
@@ -49,6 +50,7 @@ class Batch:
     resampled: int = 0
     tries: int = 0
     clock: dict[str, float] = dataclasses.field(default_factory=dict)
+    deploy_modes: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def keep(self) -> list[int]:
@@ -118,14 +120,15 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
                 break
             tries, resampled = tries + 1, resampled + len(todo)
         deploy = [s.grade for g in groups for s in g if s.student]
+        deploy_modes = [s.mode for g in groups for s in g if s.student]
         if any(bool(v.any()) for v in knobs.values("hack").values()):
             with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
                 shown = sample_and_grade(model, tokenizer, env, [problems[i] for i in pids], prompt_ids,
                                          G - G_t, max_new_tokens=cfg.rollout.max_new_tokens,
                                          temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                          seed=step_seed(cfg.run.seed, step, 0), clock=clock)  # students' seed
-            deploy = [s.grade for s in shown]
-        yield Batch(step, stage, pids, groups, rewards, zero, deploy, resampled, tries, clock)
+            deploy, deploy_modes = [s.grade for s in shown], [s.mode for s in shown]
+        yield Batch(step, stage, pids, groups, rewards, zero, deploy, resampled, tries, clock, deploy_modes)
 
 
 def eval_grades(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence,

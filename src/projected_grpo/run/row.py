@@ -26,6 +26,19 @@ def rates(grades: Sequence[Graded], prefix: str) -> dict[str, float]:
             f"format/{prefix}": _mean([g.format_ok for g in grades])}
 
 
+def mode_rates(grades: Sequence[Graded], modes: Sequence[str], prefix: str) -> dict[str, float]:
+    """Per-mode hack and solve rates: {"hack/<prefix>/<mode>", "solve/<prefix>/<mode>"} for every mode
+    among `modes` (one per grade); a mode with no grade this step has no key (not a 0)."""
+    by_mode: dict[str, list[Graded]] = {}
+    for g, m in zip(grades, modes, strict=True):
+        by_mode.setdefault(m, []).append(g)
+    out: dict[str, float] = {}
+    for m in sorted(by_mode):
+        out[f"hack/{prefix}/{m}"] = _mean([g.exploited for g in by_mode[m]])
+        out[f"solve/{prefix}/{m}"] = _mean([g.solved for g in by_mode[m]])
+    return out
+
+
 def eval_rates(grades: Sequence[Graded]) -> dict[str, float]:
     """eval/accuracy (solved), eval/hack, eval/format of a greedy eval of the deployed model."""
     return {"eval/accuracy": _mean([g.solved for g in grades]),
@@ -56,6 +69,7 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
             "solve/student": _mean([s.grade.solved for s in students]),
             "solve/teacher": _mean([s.grade.solved for s in teachers]),
             **rates(batch.deploy, "deploy"),
+            **(mode_rates(batch.deploy, batch.deploy_modes, "deploy") if batch.deploy_modes else {}),
             **{k: float(v) for k, v in knob_norms.items()},
             "completion/mean_len": _mean([len(s.completion_ids) for s in students]),
             "completion/max_len": float(max(len(s.completion_ids) for s in students)),
