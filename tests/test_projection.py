@@ -232,6 +232,25 @@ def test_module_mean_is_the_mean_of_per_module_ratios(arm, tmp_path):
         assert stats["proj/cout_module_mean"].item() < 1e-5
 
 
+def test_adamw_moves_the_quarantine_a_full_lr_per_coordinate_however_tiny_its_gradient(tmp_path):
+    from projected_grpo.knobs.projection import snapshot, step_norms
+
+    # issue 14's route measurement, by hand: AdamW's first step is lr * g / (|g| + eps) per coordinate (bias
+    # correction makes m_hat = g, v_hat = g^2), so a routed gradient of 1e-6 moves each coordinate it
+    # reaches by lr * 1e-6 / (1e-6 + 1e-8) = 0.099 (eps 1e-8): ||step|| = 0.0990 * sqrt(10) = 0.3131 for 10
+    # coordinates, while the gradient's own norm is 1e-6 * sqrt(10)
+    knobs, _ = wrapped(tmp_path)
+    opt = torch.optim.AdamW(knobs.hack_parameters(), lr=0.1, weight_decay=0.0)
+    first = knobs.hack_parameters()[0]
+    first.grad = torch.zeros_like(first)
+    first.grad.view(-1)[:10] = 1e-6
+    before, before_hack = snapshot(knobs), snapshot(knobs, "hack")
+    opt.step()
+    got = step_norms(knobs, before, before_hack)
+    assert math.isclose(got["knob/hack_step"].item(), 0.1 / 1.01 * math.sqrt(10), rel_tol=1e-4)
+    assert got["knob/step"].item() == 0.0  # the main knobs were not in this optimizer
+
+
 def test_per_source_cin(tmp_path):
     knobs, V_hack = wrapped(tmp_path)
     g = knobs.grads()

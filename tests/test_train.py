@@ -152,6 +152,10 @@ def test_quarantine_moves_only_under_route(runs):
         assert all(r["knob/hack_norm"] == 0.0 for r in runs[arm][1])
         assert all(float(v.abs().max()) == 0.0 for v in runs[arm][2].knobs.values("hack").values())
     assert runs["route"][1][-1]["knob/hack_norm"] > 0.0
+    assert all(r["knob/hack_step"] == 0.0 and r["knob/step"] > 0.0 for arm in ("none", "erase")
+               for r in runs[arm][1])
+    r0 = runs["route"][1][0]  # step 0 from zero: the quarantine's norm is its first step
+    assert math.isclose(r0["knob/hack_step"], r0["knob/hack_norm"], rel_tol=1e-5)
 
 
 def test_erase_leaves_no_hackward_gradient_and_none_measures_only(runs):
@@ -200,6 +204,36 @@ def test_route_deploy_eval_and_v_refresh_are_logged(runs):
     rows = runs["route"][1]
     assert all(0.0 <= r[k] <= 1.0 for r in rows for k in ("eval/hack", "eval/accuracy", "eval/format"))
     assert "proj/v_overlap" not in rows[0] and 0.0 <= rows[1]["proj/v_overlap"] <= 1.0 + 1e-6
+
+
+def test_route_train_deploy_adds_the_deployed_groups_once_the_quarantine_moved(runs, tmp_path):
+    # the same run as runs["route"] (importance teacher, same pool) with proj.train_deploy: step 0 has a zero
+    # quarantine, so nothing is sampled twice and its gradient is route's exactly; at step 1 the deployed
+    # samples (the hack/deploy ones) are trained on too, so the gradient differs while the rates stay
+    route_cfg, route_rows, route_spy, _ = runs["route"]
+    cfg = C.replace(route_cfg, run={"dir": str(tmp_path / "rd")}, proj={"train_deploy": True})
+    with pytest.MonkeyPatch.context() as mp:
+        spy = Spy(mp)
+        T.train(cfg)
+    rows = metrics.read_rows(tmp_path / "rd" / "metrics.jsonl")
+    g0, r0 = spy.calls[0]["g"], route_spy.calls[0]["g"]
+    assert all(torch.equal(g0[n], r0[n]) for n in g0)
+    assert any(not torch.equal(spy.calls[1]["g"][n], route_spy.calls[1]["g"][n]) for n in g0)
+    for k in ("hack/student", "hack/deploy", "solve/deploy", "teacher/frac"):
+        assert rows[1][k] == route_rows[1][k], k
+    with pytest.raises(UserError, match="train_deploy needs arm 'route'"):
+        C.replace(cfg, proj={"arm": "erase"})
+
+
+def test_chunks_keep_one_view_per_micro_batch():
+    from projected_grpo.run.batches import Batch
+
+    zero = torch.tensor([False, True, False, False, False, False])
+    b = Batch(0, "train", [], [[]] * 6, torch.zeros(6, 2), zero, [], views=["train"] * 3 + ["deploy"] * 3)
+    # kept: 0, 2 (train), 3, 4, 5 (deploy); micro 2 -> [0, 2], [3, 4], [5]
+    assert b.chunks(2) == [[0, 2], [3, 4], [5]] and b.view(4) == "deploy"
+    plain = Batch(0, "train", [], [[]] * 6, torch.zeros(6, 2), zero, [])
+    assert plain.chunks(4) == [[0, 2, 3, 4], [5]] and plain.view(4) == "train"
 
 
 def test_gradient_accumulation_matches_one_big_batch(runs, tmp_path):

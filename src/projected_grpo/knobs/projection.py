@@ -153,9 +153,24 @@ def apply_arm(knobs, V_hack: dict[str, torch.Tensor], arm: str = "erase", gate: 
     return stats
 
 
-def snapshot(knobs) -> dict[str, torch.Tensor]:
-    """Copies of the main knob values, name -> (R,); take right before optimizer.step()."""
-    return {n: v.clone() for n, v in knobs.values("main").items()}
+def snapshot(knobs, which: str = "main") -> dict[str, torch.Tensor]:
+    """Copies of the main (or "hack": quarantine) knob values, name -> (R,); take right before
+    optimizer.step()."""
+    return {n: v.clone() for n, v in knobs.values(which).items()}
+
+
+def step_norms(knobs, before: dict[str, torch.Tensor], before_hack: dict[str, torch.Tensor]
+               ) -> dict[str, torch.Tensor]:
+    """How far this step moved the knobs, everything included (AdamW, update projection, routing):
+    knob/step = ‖δ_after − δ_before‖ over all main knobs, knob/hack_step the same for the quarantine.
+    Under gradient-mode `route` AdamW scales each quarantine coordinate's routed gradient to about lr,
+    however small it is, so knob/hack_step ≈ lr·sqrt(coordinates it reached) (issue 14's measurement)."""
+    out = {}
+    for key, which, old in (("knob/step", "main", before), ("knob/hack_step", "hack", before_hack)):
+        now = knobs.values(which)
+        sq = [(now[n].float() - old[n].float()).square().sum() for n in knobs.modules]
+        out[key] = torch.stack(sq).sum().sqrt().cpu() if sq else torch.zeros(())
+    return out
 
 
 def project_update(knobs, before: dict[str, torch.Tensor], V_hack: dict[str, torch.Tensor],

@@ -7,6 +7,7 @@ the environment (rollout.sample_and_grade). Groups whose G rewards have no sprea
 loss.zero_var = "resample" (students only, a fresh seed per try). Under `route` the quarantine knob is on
 while the students sample, so the deployed model (quarantine zeroed) is sampled again on the same prompts
 with the students' seed; otherwise the students are the deployed model's samples (docs/architecture.md).
+With proj.train_deploy those deployed samples are trained on too, as groups of their own (`Batch.views`).
 Seeds: students of try t use step_seed(run.seed, step, t); the draws are deterministic given the cursors,
 which the loop checkpoints. Not here: advantages, losses, the optimizer (train.py).
 """
@@ -37,7 +38,9 @@ class Batch:
              unless the quarantine knob is non-zero). stage: the problem set drawn from.
     resampled / tries: zero-variance groups resampled and resampling rounds. clock: seconds spent in
     "generate" and "grade" (deploy view included). deploy_modes: the loophole mode of each `deploy` grade
-    (for the per-mode rates hack/deploy/<mode>).
+    (for the per-mode rates hack/deploy/<mode>). views: per group, "train" (sampled as the students are) or
+    "deploy" (the deployed view's samples with the same teacher rows, trained with the quarantine zeroed:
+    proj.train_deploy; those groups follow the B train ones).
     """
 
     step: int
@@ -51,11 +54,24 @@ class Batch:
     tries: int = 0
     clock: dict[str, float] = dataclasses.field(default_factory=dict)
     deploy_modes: list[str] = dataclasses.field(default_factory=list)
+    views: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def keep(self) -> list[int]:
         """Indices of the groups with signal (not zero-variance)."""
         return [b for b in range(len(self.groups)) if not bool(self.zero[b])]
+
+    def view(self, b: int) -> str:
+        """Group b's view: "train" unless `views` says "deploy"."""
+        return self.views[b] if self.views else "train"
+
+    def chunks(self, micro: int) -> list[list[int]]:
+        """The kept groups in micro-batches of at most `micro` groups, each of one view (train first)."""
+        out = []
+        for v in ("train", "deploy"):
+            idx = [b for b in self.keep if self.view(b) == v]
+            out += [idx[c:c + micro] for c in range(0, len(idx), micro)]
+        return out
 
     @property
     def samples(self) -> list[Sample]:
@@ -121,14 +137,32 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
             tries, resampled = tries + 1, resampled + len(todo)
         deploy = [s.grade for g in groups for s in g if s.student]
         deploy_modes = [s.mode for g in groups for s in g if s.student]
+        views: list[str] = []
         if any(bool(v.any()) for v in knobs.values("hack").values()):
-            with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
-                shown = sample_and_grade(model, tokenizer, env, [problems[i] for i in pids], prompt_ids,
-                                         G - G_t, max_new_tokens=cfg.rollout.max_new_tokens,
-                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                         seed=step_seed(cfg.run.seed, step, 0), clock=clock)  # students' seed
-            deploy, deploy_modes = [s.grade for s in shown], [s.mode for s in shown]
-        yield Batch(step, stage, pids, groups, rewards, zero, deploy, resampled, tries, clock, deploy_modes)
+            # the same prompts as deployed (quarantine zeroed), as many samples per prompt as its students,
+            # with the students' first-try seeds
+            shown: list[list[Sample]] = [[] for _ in pids]
+            for n in sorted(set(n_students)):
+                rows = [b for b in range(len(pids)) if n_students[b] == n]
+                seed = step_seed(cfg.run.seed, step, 0) if n == G - G_t else \
+                    step_seed(cfg.run.seed, step, 0, "all-student")
+                with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
+                    got = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in rows],
+                                           prompt_ids, n, max_new_tokens=cfg.rollout.max_new_tokens,
+                                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                           seed=seed, clock=clock)
+                for j, b in enumerate(rows):
+                    shown[b] = got[j * n:(j + 1) * n]
+            deploy, deploy_modes = [s.grade for g in shown for s in g], [s.mode for g in shown for s in g]
+            if cfg.proj.train_deploy:  # the deployed view's samples become groups of their own
+                extra = [shown[b] + teacher[b] for b in range(len(pids))]
+                extra_r = torch.tensor([[reward_of(s) - cfg.env.hack_penalty * s.grade.exploited for s in g]
+                                        for g in extra])  # (B, G)
+                groups, rewards = groups + extra, torch.cat([rewards, extra_r])
+                zero = torch.cat([zero, zero_variance_mask(extra_r)])
+                views = ["train"] * len(pids) + ["deploy"] * len(pids)
+        yield Batch(step, stage, pids, groups, rewards, zero, deploy, resampled, tries, clock, deploy_modes,
+                    views)
 
 
 def eval_grades(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence,

@@ -41,7 +41,8 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "teacher/mode", "teacher/frac", "teacher/ratio_mean", "teacher/is_weight_mean", "teacher/clip_frac",
     "proj/norm_removed", "proj/skipped", "proj/cin_module_mean", "proj/cout_module_mean",
     "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",
-    "proj/v_overlap", "knob/norm", "completion/max_len", "eval/accuracy", "eval/hack", "eval/format",
+    "proj/v_overlap", "knob/norm", "knob/step", "knob/hack_step", "completion/max_len", "eval/accuracy",
+    "eval/hack", "eval/format",
     "hack/deploy", "solve/deploy", "format/deploy", "hack/deploy/<mode>", "solve/deploy/<mode>",
 })
 # A `<mode>` in a KNOWN_METRICS name stands for one loophole mode's name (docs/metrics.md): one definition

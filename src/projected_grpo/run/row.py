@@ -55,11 +55,14 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
     losses and projection (already aggregated over micro-batches); knob_norms: Knobs.norms().
     """
     is_student = batch.is_student  # (B, G)
-    students = [s for s in batch.samples if s.student]
-    teachers = [s for s in batch.samples if not s.student]
+    # the rates of the students and teachers the step sampled as training (not the deployed view's groups
+    # that proj.train_deploy adds: those are the hack/deploy samples)
+    trained = [s for b, g in enumerate(batch.groups) if batch.view(b) == "train" for s in g]
+    students = [s for s in trained if s.student]
+    teachers = [s for s in trained if not s.student]
     row: dict[str, object] = {k: v if isinstance(v, str) else float(v) for k, v in stats.items()}
     row |= {"lr": lr, "grad/norm": float(grad_norm), "teacher/mode": teacher_mode,
-            "teacher/frac": len(teachers) / len(batch.samples),
+            "teacher/frac": len(teachers) / len(trained),
             "reward/student_mean": float(batch.rewards[is_student].mean()),
             "reward/teacher_mean": float(batch.rewards[~is_student].mean()) if teachers else 0.0,
             "adv/student_mean": float(adv[is_student].mean()),
