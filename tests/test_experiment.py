@@ -243,6 +243,21 @@ def test_plan_one_run_per_arm_and_seed(tmp_path):
         experiment.plan(with_v, ["none", "shuffled_V"], [0], tmp_path)
 
 
+def test_random_twin_arms_share_every_setting_but_the_direction(tmp_path):
+    runs = experiment.plan(presets.PRESETS["smoke"], ["route_update", "route_update@random"], [0], tmp_path)
+    real, twin = runs[0].cfg, runs[1].cfg
+    assert (real.proj.arm, real.proj.target, real.proj.control) == ("route", "update", "none")
+    assert C.diff(real, twin, ignore=("run.dir",)) == ["proj.control: 'none' -> 'random'"]
+    assert experiment.arm_sections("random_V") == experiment.arm_sections("erase@random")
+    for bad in ("none@random", "random_V@random", "gt_reward@random", "nope@random", "erase@randomx"):
+        assert experiment.arm_sections(bad) is None, bad
+    with pytest.raises(UserError, match="unknown \\['none@random'\\]"):
+        experiment.plan(presets.PRESETS["smoke"], ["none@random"], [0], tmp_path)
+    assert experiment.random_twins(["none", "erase", "random_V", "route", "route@random"]) == {
+        "route": "route@random", "erase": "random_V"}
+    assert experiment.random_twins(["erase", "erase@random", "random_V"]) == {"erase": "erase@random"}
+
+
 def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):
     runs = experiment.plan(presets.PRESETS["smoke"], ["none", "erase", "route"], [0], tmp_path)
     write_run(runs[0].dir, [0.1] * 2, [0.1] * 2)  # finished, with its config
