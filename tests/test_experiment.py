@@ -93,6 +93,40 @@ def test_per_mode_rise_first_and_last_window(tmp_path):
     assert "| run_tests | 0.000 ± n/a | 0.200 ± n/a | 20.0 ± n/a | 0.500 ± n/a | 0.500 ± n/a |" in table
 
 
+def test_held_out_table_puts_each_arm_side_by_side(tmp_path):
+    extra = lambda h: [{"hack/deploy/sentinel": h, "solve/deploy/sentinel": 0.2}] * 3
+    runs = {"erase": [write_run(tmp_path / "e", [0.1] * 3, [0.3] * 3, extra=extra(0.1))],
+            "random_V": [write_run(tmp_path / "r", [0.1] * 3, [0.3] * 3, extra=extra(0.4))]}
+    table = report.held_out_table(report.aggregate_modes(runs), "sentinel")
+    assert "| erase | 0.100 ± n/a | 0.100 ± n/a | 0.0 ± n/a | 0.200 ± n/a |" in table
+    assert "| random_V | 0.400 ± n/a |" in table
+    md = report.write_report(tmp_path, runs, title="t", config_diff=[], arm_overrides={}, command="c",
+                             elapsed_s=1.0, held_out="sentinel")[0].read_text()
+    assert "## The held-out mode `sentinel` (leave-one-mode-out), per arm" in md
+
+
+def test_lomo_fold_pool_and_pairs_hold_nothing_of_the_held_out_mode(tmp_path, monkeypatch):
+    # the fold as lomo_base builds it (smoke model, the built-in problems): the teacher pool and V_hack's
+    # pairs come from the other five modes only; the run still trains on every mode
+    from projected_grpo.envs.coding.graders import GRADERS
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES
+    from projected_grpo.hack.pairs import load_pairs_file
+
+    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))
+    base, quiet = presets.PRESETS["smoke"], lambda msg: None
+    tok = experiment.prepare_model(base, quiet)
+    cfg, notes = experiment.lomo_base(base, tok, "sentinel", tmp_path, quiet)
+    held = {p.id for p in BUILTIN_PROBLEMS[:base.env.max_problems] if p.mode == "sentinel"}
+    rows = [json.loads(line) for line in pathlib.Path(cfg.pool.path).read_text().splitlines()]
+    assert {r["mode"] for r in rows} == set(MODES) - {"sentinel"}
+    assert held and not {r["problem_id"] for r in rows} & held
+    assert not any(GRADERS["sentinel"].hint in r["prompt"] for r in rows)  # by prompt text too
+    pairs = load_pairs_file(cfg.proj.pairs)
+    assert pairs and not any(":sentinel:" in p.source for p in pairs)
+    assert not any(GRADERS["sentinel"].hint in p.prompt for p in pairs)
+    assert cfg.pool.missing == "students" and cfg.env.modes == () and "`sentinel` held out" in notes[0]
+
+
 # --- verdict lines (rules: tests/test_verdicts.py) -------------------------------------------------
 
 def _agg(**arms: tuple[float, float]) -> dict[str, dict[str, Stat]]:

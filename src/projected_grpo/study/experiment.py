@@ -257,7 +257,8 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
             f", leave out {lomo}" if lomo else ""),
         config_diff=C.diff(presets.PRESETS[preset], user_base),
         arm_overrides={a: describe_arm(a) for a in arms},
-        command=command, elapsed_s=time.perf_counter() - t0, notes=notes, twins=random_twins(arms))
+        command=command, elapsed_s=time.perf_counter() - t0, notes=notes, twins=random_twins(arms),
+        held_out=lomo)
     return printed
 
 
@@ -291,8 +292,8 @@ class DemoOpts:
     """sweep directory (empty = runs/demo-<time>)"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
-    jobs: int = 1
-    """runs trained at once (each in its own process)"""
+    jobs: int = 2
+    """runs trained at once (each in its own process, one torch thread each: 2 fills a 2-core machine)"""
 
 
 # set per run by the sweep (--arms, --seeds, --out), so refused as base-config options
@@ -324,7 +325,8 @@ def demo_main(argv: list[str]) -> int:
     if opts.seeds < 1 or opts.jobs < 1:
         raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}: need at least 1 each")
     out = opts.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    command = shlex.join(["projected-grpo", "demo", "--out", out, "--seeds", str(opts.seeds)])
+    command = shlex.join(["projected-grpo", "demo", "--out", out, "--seeds", str(opts.seeds),
+                          "--jobs", str(opts.jobs)])
     print(sweep(presets.PRESETS["demo"], DEMO_ARMS, list(range(opts.seeds)), out, preset="demo",
                 command=command, title=f"demo preset: {', '.join(DEMO_ARMS)} x {opts.seeds} seed(s)",
                 jobs=opts.jobs))

@@ -118,6 +118,20 @@ def modes_table(agg_modes: Mapping[str, Mapping[str, Mapping[str, Stat]]], arm: 
     return "\n".join(lines)
 
 
+def held_out_table(agg_modes: Mapping[str, Mapping[str, Mapping[str, Stat]]], mode: str) -> str:
+    """Markdown table of one mode's deployed hack and solve rates per arm (leave-one-mode-out: the held-out
+    mode under each arm, e.g. erase beside random_V), mean ± SEM over seeds."""
+    lines = [f"| arm | hack, first {MODE_WINDOW} steps | hack, last {MODE_WINDOW} | hack rise (pts) | "
+             f"solve, first {MODE_WINDOW} | solve, last {MODE_WINDOW} |", "|---|---|---|---|---|---|"]
+    for arm, modes in agg_modes.items():
+        if mode in modes:
+            st = modes[mode]
+            lines.append(f"| {arm} | {st['hack_start'].fmt()} | {st['hack_end'].fmt()} | "
+                         f"{st['hack_rise'].fmt(100, 1)} | {st['solve_start'].fmt()} | "
+                         f"{st['solve_end'].fmt()} |")
+    return "\n".join(lines)
+
+
 def _without_deploy(agg: Mapping[str, Mapping[str, Stat]]) -> list[str]:
     return [arm for arm, stats in agg.items() if any(k not in stats for k in (HACK, SOLVE, FORMAT))]
 
@@ -245,10 +259,11 @@ def results_table(agg: Mapping[str, Mapping[str, Stat]]) -> str:
 
 def write_report(out: str | os.PathLike, runs: Mapping[str, Sequence[str | os.PathLike]], *, title: str,
                  config_diff: Sequence[str], arm_overrides: Mapping[str, str], command: str, elapsed_s: float,
-                 notes: Sequence[str] = (), twins: Mapping[str, str] | None = None
+                 notes: Sequence[str] = (), twins: Mapping[str, str] | None = None, held_out: str = ""
                  ) -> tuple[pathlib.Path, str]:
     """Aggregate `runs`, write `out`/curves.png and `out`/report.md; returns (report path, printed text).
-    twins: arm -> its random-V twin arm (default erase -> random_V), for "real V vs random V"."""
+    twins: arm -> its random-V twin arm (default erase -> random_V), for "real V vs random V". held_out: the
+    leave-one-mode-out mode, whose rates get a table of their own (every arm side by side)."""
     out = pathlib.Path(out)
     agg, start, agg_modes = aggregate(runs), aggregate(runs, "start"), aggregate_modes(runs)
     plot_curves(curves(runs, roll=ROLL), out / "curves.png", title, raw=curves(runs))
@@ -274,6 +289,9 @@ def write_report(out: str | os.PathLike, runs: Mapping[str, Sequence[str | os.Pa
            "![hack, solve and well-formed rate per step](curves.png)", "",
            f"Lines: trailing {ROLL}-step rolling means (seed mean ± SEM); faint: the raw per-step seed mean.",
            ""]
+    if held_out:
+        md += [f"## The held-out mode `{held_out}` (leave-one-mode-out), per arm", "",
+               held_out_table(agg_modes, held_out), ""]
     for arm in runs:
         if agg_modes.get(arm):
             md += [f"## Per loophole mode: `{arm}`", "", modes_table(agg_modes, arm), ""]
@@ -282,7 +300,9 @@ def write_report(out: str | os.PathLike, runs: Mapping[str, Sequence[str | os.Pa
     md += (["", "## Notes", ""] + [f"- {n}" for n in notes]) if notes else []
     write_text_atomic(out / "report.md", "\n".join(md) + "\n")
     printed = [table, "", "Verdicts (preregistered H1, then ours):", *[f"  {v}" for v in verdict]]
-    if agg_modes.get(BASELINE):
+    if held_out:
+        printed += ["", f"Held-out mode `{held_out}`, per arm:", held_out_table(agg_modes, held_out)]
+    elif agg_modes.get(BASELINE):
         printed += ["", f"Per mode under `{BASELINE}`:", modes_table(agg_modes, BASELINE)]
     printed.append(f"report: {out / 'report.md'}   plot: {out / 'curves.png'}")
     return out / "report.md", "\n".join(printed)
