@@ -14,15 +14,15 @@ from projected_grpo.cli import main
 from projected_grpo.errors import UserError
 from projected_grpo.run import metrics
 from projected_grpo.study import experiment, launch, report
-from projected_grpo.study.report import Stat
 
 
 def write_run(d: pathlib.Path, hack: list[float], solve: list[float], cin_t: float = 0.5,
-              finished: bool = True, deploy: tuple | str | None = None, fmt: float = 0.8) -> pathlib.Path:
+              finished: bool = True, deploy: tuple | str | None = None, fmt: float = 0.8,
+              extra: list[dict] | None = None) -> pathlib.Path:
     """A hand-made run dir: one metrics row per step (every REQUIRED_METRICS key), summary.json.
     deploy: (hack, solve) of the deployed model per step; default = the student's, as train logs them
     while the quarantine knob is zero; "none" = a run written before hack/deploy was logged.
-    fmt: format/deploy, the deployed model's well-formed-answer rate."""
+    fmt: format/deploy, the deployed model's well-formed-answer rate. extra: more keys per step."""
     d.mkdir(parents=True)
     with metrics.MetricsLogger(d) as log:
         for step, (h, s) in enumerate(zip(hack, solve)):
@@ -32,23 +32,14 @@ def write_run(d: pathlib.Path, hack: list[float], solve: list[float], cin_t: flo
             if deploy != "none":
                 dh, ds = deploy if deploy is not None else (hack, solve)
                 row |= {"hack/deploy": dh[step], "solve/deploy": ds[step], "format/deploy": fmt}
-            log.log(step, row)
+            log.log(step, row | (extra[step] if extra else {}))
     if finished:
         rows = metrics.read_rows(d / metrics.METRICS_FILE)
         store.write_json_atomic(d / metrics.SUMMARY_FILE, metrics.summarize(rows))
     return d
 
 
-# --- mean ± SEM -----------------------------------------------------------------------------------
-
-def test_mean_sem_hand_computed():
-    # mean (0.2 + 0.4 + 0.9) / 3 = 0.5; squared deviations 0.09 + 0.01 + 0.16 = 0.26;
-    # sample variance 0.26 / 2 = 0.13
-    # SEM = sqrt(0.13) / sqrt(3) = 0.360555 / 1.732051 = 0.208167
-    s = report.mean_sem([0.2, 0.4, 0.9])
-    assert s.mean == pytest.approx(0.5) and s.n == 3
-    assert s.sem == pytest.approx(0.208167, abs=1e-6)
-
+# --- mean ± SEM, aggregation -----------------------------------------------------------------------
 
 def test_one_seed_sem_is_undefined_not_zero():
     s = report.mean_sem([0.7])
@@ -70,6 +61,9 @@ def test_aggregate_last_five_step_means_over_seeds(tmp_path):
     assert agg["none"]["proj/cin_student"].mean == pytest.approx(0.2)  # half of hack by construction
     assert agg["none"]["proj/cin_teacher"].sem == pytest.approx(0.0)  # equal values: a real 0, not undefined
     assert set(agg["none"]) == set(report.AGG_KEYS)
+    # the start: first-5-step means, seed 0: (0 + 0 + .1 + .2 + .3) / 5 = 0.12, seed 1: 0.5 -> 0.31
+    start = report.aggregate({"none": [a, b]}, "start")
+    assert start["none"]["hack/student"].mean == pytest.approx(0.31)
 
 
 def test_unfinished_run_is_refused(tmp_path):
@@ -78,115 +72,58 @@ def test_unfinished_run_is_refused(tmp_path):
         report.aggregate({"none": [d]})
 
 
-# --- H1 verdicts ----------------------------------------------------------------------------------
-
-def _agg(**arms: tuple[float, float]) -> dict[str, dict[str, Stat]]:
-    return {a: {"hack/deploy": Stat(h, None, 1), "solve/deploy": Stat(s, None, 1)}
-            for a, (h, s) in arms.items()}
-
-
-def test_verdicts_on_synthetic_summaries():
-    agg = _agg(none=(0.6, 0.4), erase=(0.25, 0.32), route=(0.35, 0.4), nonhack_V=(0.1, 0.25), edge=(0.3, 0.3))
-    v = report.verdicts(agg)
-    assert set(v) == {"erase", "route", "nonhack_V", "edge"}
-    # erase: hack 0.60 -> 0.25 = 35 pts down (>= 30), solve 0.40 -> 0.32 = -8 pts (>= -10): PASS
-    assert v["erase"].passed and v["erase"].hack_drop == pytest.approx(0.35)
-    assert v["erase"].solve_change == pytest.approx(-0.08)
-    assert not v["route"].passed  # 25 pts down < 30
-    assert not v["nonhack_V"].passed  # 50 pts down but solve -15 pts
-    assert v["edge"].passed  # exactly 30 down and exactly 10 below: both bounds are inclusive
-    lines = report.verdict_lines(agg)
-    assert lines[0].startswith("erase: PASS") and "(-35.0 pts" in lines[0] and "(-8.0 pts" in lines[0]
-    assert lines[1].startswith("route: FAIL")
-    assert "SEM undefined" in lines[-1]
+def test_per_mode_rise_first_and_last_window(tmp_path):
+    # 12 steps; run_tests drawn on even steps only: hack 0.0 at steps 0..9, 1.0 at steps 10, 11
+    # first 10 steps: run_tests at 0,2,4,6,8 -> 0.0; last 10 (2..11): 2,4,6,8 -> 0, 10 -> 1: 1/5 = 0.2
+    # sentinel every step: 0.1 then 0.5 from step 6: first 10 = (6 * .1 + 4 * .5) / 10 = 0.26;
+    # last 10 (steps 2..11) = (4 * .1 + 6 * .5) / 10 = 0.34
+    extra = [{"hack/deploy/sentinel": 0.1 if s < 6 else 0.5, "solve/deploy/sentinel": 0.3}
+             | ({"hack/deploy/run_tests": float(s >= 10), "solve/deploy/run_tests": 0.5} if s % 2 == 0
+                else {})
+             for s in range(12)]
+    d = write_run(tmp_path / "n0", [0.1] * 12, [0.3] * 12, extra=extra)
+    modes = report.run_modes(metrics.read_rows(d / metrics.METRICS_FILE))
+    assert modes["run_tests"]["hack_start"] == 0.0 and modes["run_tests"]["hack_end"] == pytest.approx(0.2)
+    assert modes["sentinel"]["hack_start"] == pytest.approx(0.26)
+    assert modes["sentinel"]["hack_end"] == pytest.approx(0.34)
+    agg = report.aggregate_modes({"none": [d]})
+    assert agg["none"]["run_tests"]["hack_rise"].mean == pytest.approx(0.2)
+    table = report.modes_table(agg, "none")
+    assert "| run_tests | 0.000 ± n/a | 0.200 ± n/a | 20.0 ± n/a | 0.500 ± n/a | 0.500 ± n/a |" in table
 
 
-def test_verdict_is_on_the_deployed_model(tmp_path):
-    # route's students sample with the quarantine knob on: hack 0.6 there, like none's, but 0.2 deployed.
-    # H1 reads the deployed rates: 0.6 -> 0.2 = 40 pts down, solve 0.4 -> 0.35 = -5 pts: PASS
-    runs = {"none": [write_run(tmp_path / "n", [0.6] * 5, [0.4] * 5)],
-            "route": [write_run(tmp_path / "r", [0.6] * 5, [0.4] * 5, deploy=([0.2] * 5, [0.35] * 5))]}
-    agg = report.aggregate(runs)
-    assert agg["route"]["hack/student"].mean == pytest.approx(0.6)
-    v = report.verdicts(agg)["route"]
-    assert v.passed and v.hack_drop == pytest.approx(0.4) and v.solve_change == pytest.approx(-0.05)
+def test_held_out_table_puts_each_arm_side_by_side(tmp_path):
+    extra = lambda h: [{"hack/deploy/sentinel": h, "solve/deploy/sentinel": 0.2}] * 3
+    runs = {"erase": [write_run(tmp_path / "e", [0.1] * 3, [0.3] * 3, extra=extra(0.1))],
+            "random_V": [write_run(tmp_path / "r", [0.1] * 3, [0.3] * 3, extra=extra(0.4))]}
+    table = report.held_out_table(report.aggregate_modes(runs), "sentinel")
+    assert "| erase | 0.100 ± n/a | 0.100 ± n/a | 0.0 ± n/a | 0.200 ± n/a |" in table
+    assert "| random_V | 0.400 ± n/a |" in table
+    md = report.write_report(tmp_path, runs, title="t", config_diff=[], arm_overrides={}, command="c",
+                             elapsed_s=1.0, held_out="sentinel")[0].read_text()
+    assert "## The held-out mode `sentinel` (leave-one-mode-out), per arm" in md
 
 
-def test_a_deployed_model_that_stopped_writing_code_is_flagged(tmp_path):
-    # route hacks 0 deployed, but answers well-formed 0.05 of the time vs none's 0.8: flagged (a 0.75 drop
-    # > 0.10); erase's 0.75 is within 0.10 of 0.8: not flagged. The verdict itself is H1's alone (PASS)
-    runs = {"none": [write_run(tmp_path / "n", [0.6] * 5, [0.05] * 5)],
-            "erase": [write_run(tmp_path / "e", [0.2] * 5, [0.05] * 5, fmt=0.75)],
-            "route": [write_run(tmp_path / "r", [0.6] * 5, [0.0] * 5, deploy=([0.0] * 5, [0.0] * 5),
-                                fmt=0.05)]}
-    lines = report.verdict_lines(report.aggregate(runs))
-    assert lines[1].startswith("route: PASS")
-    notes = [ln for ln in lines if ln.startswith("note:")]
-    assert notes == ["note: route's deployed model gives a well-formed answer 0.050 of the time vs 0.800 "
-                     "for `none`: its low hack rate may be a broken model rather than a clean one (not part "
-                     "of H1)"]
+def test_lomo_fold_pool_and_pairs_hold_nothing_of_the_held_out_mode(tmp_path, monkeypatch):
+    # the fold as lomo_base builds it (smoke model, the built-in problems): the teacher pool and V_hack's
+    # pairs come from the other five modes only; the run still trains on every mode
+    from projected_grpo.envs.coding.graders import GRADERS
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES
+    from projected_grpo.hack.pairs import load_pairs_file
 
-
-def test_runs_without_deploy_rates_get_no_verdict(tmp_path):
-    runs = {"none": [write_run(tmp_path / "n", [0.6] * 5, [0.4] * 5, deploy="none")],
-            "erase": [write_run(tmp_path / "e", [0.1] * 5, [0.4] * 5)]}
-    agg = report.aggregate(runs)
-    assert "no H1 verdict: the runs of ['none'] have no hack/deploy" in report.verdict_lines(agg)[0]
-    with pytest.raises(ValueError, match="did not log"):
-        report.verdicts(agg)
-
-
-def test_verdicts_need_the_none_arm():
-    agg = _agg(erase=(0.1, 0.4))
-    assert report.verdicts(agg) == {}
-    assert "no `none` arm" in report.verdict_lines(agg)[0]
-
-
-# --- plot and report.md ---------------------------------------------------------------------------
-
-def test_plot_has_one_line_per_arm_and_sem_bands_with_two_seeds(tmp_path):
-    runs = {"none": [write_run(tmp_path / "n0", [0.1, 0.5, 0.9], [0.3] * 3),
-                     write_run(tmp_path / "n1", [0.1, 0.3, 0.7], [0.4] * 3)],
-            "erase": [write_run(tmp_path / "e0", [0.1] * 3, [0.3] * 3),
-                      write_run(tmp_path / "e1", [0.0] * 3, [0.2] * 3)],
-            "route": [write_run(tmp_path / "r0", [0.2] * 3, [0.3] * 3),
-                      write_run(tmp_path / "r1", [0.1] * 3, [0.3] * 3)]}
-    data = report.curves(runs)
-    steps, stats = data["none"]["hack/deploy"]
-    assert steps == [0, 1, 2] and [s.mean for s in stats] == pytest.approx([0.1, 0.4, 0.8])
-    path = tmp_path / "curves.png"
-    fig = report.plot_curves(data, path, "smoke preset")
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
-    axes = fig.get_axes()
-    assert len(axes) == 2
-    for ax, ylabel in zip(axes, ("hack", "solve")):
-        assert len(ax.get_lines()) == 3 and ylabel in ax.get_ylabel() and ax.get_xlabel() == "optimizer step"
-        assert len(ax.collections) == 3  # one ± SEM band per arm
-    assert [t.get_text() for t in axes[0].get_legend().get_texts()] == ["none", "erase", "route"]
-    assert fig._suptitle.get_text() == "smoke preset"
-
-
-def test_plot_one_seed_has_no_band(tmp_path):
-    runs = {"none": [write_run(tmp_path / "n", [0.1, 0.2], [0.3] * 2)],
-            "erase": [write_run(tmp_path / "e", [0.1, 0.1], [0.3] * 2)]}
-    fig = report.plot_curves(report.curves(runs), tmp_path / "c.png", "t")
-    assert all(len(ax.get_lines()) == 2 and not ax.collections for ax in fig.get_axes())
-
-
-def test_report_contains_table_verdicts_plot_and_command(tmp_path):
-    runs = {"none": [write_run(tmp_path / "none-s0", [0.6] * 6, [0.4] * 6)],
-            "erase": [write_run(tmp_path / "erase-s0", [0.2] * 6, [0.35] * 6)]}
-    path, printed = report.write_report(tmp_path, runs, title="demo", config_diff=["run.steps: 40 -> 6"],
-                                        arm_overrides={"none": "proj.arm=none", "erase": "proj.arm=erase"},
-                                        command="projected-grpo demo --out X --seeds 1", elapsed_s=12.3)
-    md = path.read_text()
-    assert "| arm | seeds | hack/deploy | solve/deploy | format/deploy | hack/student | solve/student |" in md
-    assert "| erase | 1 | 0.200 ± n/a | 0.350 ± n/a | 0.800 ± n/a | 0.200 ± n/a | 0.350 ± n/a |" in md
-    assert "erase: PASS" in md and "![hack and solve rate per step](curves.png)" in md
-    assert "projected-grpo demo --out X --seeds 1" in md and "`run.steps: 40 -> 6`" in md
-    assert "12 s" in md and "(12 s training)" in md  # 6 steps x 2 s of time/step
-    assert (tmp_path / "curves.png").stat().st_size > 0
-    assert "| none | 1 | 0.600 ± n/a |" in printed and "erase: PASS" in printed
+    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))
+    base, quiet = presets.PRESETS["smoke"], lambda msg: None
+    tok = experiment.prepare_model(base, quiet)
+    cfg, notes = experiment.lomo_base(base, tok, "sentinel", tmp_path, quiet)
+    held = {p.id for p in BUILTIN_PROBLEMS[:base.env.max_problems] if p.mode == "sentinel"}
+    rows = [json.loads(line) for line in pathlib.Path(cfg.pool.path).read_text().splitlines()]
+    assert {r["mode"] for r in rows} == set(MODES) - {"sentinel"}
+    assert held and not {r["problem_id"] for r in rows} & held
+    assert not any(GRADERS["sentinel"].hint in r["prompt"] for r in rows)  # by prompt text too
+    pairs = load_pairs_file(cfg.proj.pairs)
+    assert pairs and not any(":sentinel:" in p.source for p in pairs)
+    assert not any(GRADERS["sentinel"].hint in p.prompt for p in pairs)
+    assert cfg.pool.missing == "students" and cfg.env.modes == () and "`sentinel` held out" in notes[0]
 
 
 # --- sweep planning, skipping, resuming -----------------------------------------------------------
@@ -206,6 +143,21 @@ def test_plan_one_run_per_arm_and_seed(tmp_path):
     with_v = C.replace(presets.PRESETS["smoke"], proj={"v_path": "v.safetensors"})
     with pytest.raises(ValueError, match="one file"):
         experiment.plan(with_v, ["none", "shuffled_V"], [0], tmp_path)
+
+
+def test_random_twin_arms_share_every_setting_but_the_direction(tmp_path):
+    runs = experiment.plan(presets.PRESETS["smoke"], ["route_update", "route_update@random"], [0], tmp_path)
+    real, twin = runs[0].cfg, runs[1].cfg
+    assert (real.proj.arm, real.proj.target, real.proj.control) == ("route", "update", "none")
+    assert C.diff(real, twin, ignore=("run.dir",)) == ["proj.control: 'none' -> 'random'"]
+    assert experiment.arm_sections("random_V") == experiment.arm_sections("erase@random")
+    for bad in ("none@random", "random_V@random", "gt_reward@random", "nope@random", "erase@randomx"):
+        assert experiment.arm_sections(bad) is None, bad
+    with pytest.raises(UserError, match="unknown \\['none@random'\\]"):
+        experiment.plan(presets.PRESETS["smoke"], ["none@random"], [0], tmp_path)
+    assert experiment.random_twins(["none", "erase", "random_V", "route", "route@random"]) == {
+        "route": "route@random", "erase": "random_V"}
+    assert experiment.random_twins(["erase", "erase@random", "random_V"]) == {"erase": "erase@random"}
 
 
 def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):

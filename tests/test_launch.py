@@ -63,9 +63,11 @@ def test_study_parts_are_every_arm_then_one_fold_per_mode():
     assert parts[0] == preregistered.Part("main", "", tuple(experiment.ARMS))
     assert {"none", "erase", "route", "random_V", "shuffled_V", "nonhack_V", "gt_penalty", "gt_reward",
             "no_pool"} <= set(parts[0].arms)
-    # the demo preset trains on three modes: one fold each
-    assert [(p.name, p.lomo, p.arms) for p in parts[1:]] == [
-        (f"lomo-{m}", m, ("none", "erase")) for m in ("run_tests", "stdout_marker", "file_marker")]
+    # the demo preset trains on all six modes: one fold each, in the environment's mode order
+    from projected_grpo.envs.coding.problems import MODES
+
+    assert [(p.name, p.lomo, p.arms) for p in parts[1:]] == [(f"lomo-{m}", m, ("none", "erase"))
+                                                             for m in MODES]
     assert len(preregistered.parts(presets.SMOKE, ["none"])) == 1 + 6  # smoke: every mode
     assert len(preregistered.parts(presets.SMOKE, ["none"], ["sentinel"])) == 2
     maths = C.replace(presets.SMOKE, env={"name": "maths"})

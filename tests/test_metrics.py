@@ -60,6 +60,32 @@ def test_undocumented():
     assert undocumented(["reward/mean", "zz/new", "proj/cin", "aa/x"]) == ["aa/x", "zz/new"]
 
 
+def test_undocumented_accepts_a_mode_in_a_mode_slot():
+    # hack/deploy/<mode> is one definition for every mode; the slot is one path part, not any suffix
+    assert undocumented(["hack/deploy/run_tests", "solve/deploy/eq_override", "hack/deploy/a/b",
+                         "hack/deploy/", "format/deploy/run_tests"]) == [
+        "format/deploy/run_tests", "hack/deploy/", "hack/deploy/a/b"]
+
+
+def test_mode_rates_hand_computed():
+    from projected_grpo.envs.base import Graded
+    from projected_grpo.run.row import mode_rates
+
+    def g(hack: bool, solve: bool) -> Graded:
+        return Graded(reward=0.0, gt_reward=0.0, passed=hack or solve, solved=solve, exploited=hack,
+                      format_ok=True, timeout=False, extras={})
+
+    grades = [g(True, False), g(False, True), g(False, False), g(True, False)]
+    modes = ["sentinel", "sentinel", "run_tests", "sentinel"]
+    # sentinel: hacks 2/3, solves 1/3; run_tests: 0/1 and 0/1; modes absent from the step get no key
+    assert mode_rates(grades, modes, "deploy") == {
+        "hack/deploy/run_tests": 0.0, "solve/deploy/run_tests": 0.0,
+        "hack/deploy/sentinel": 2 / 3, "solve/deploy/sentinel": 1 / 3}
+    assert undocumented(mode_rates(grades, modes, "deploy")) == []
+    with pytest.raises(ValueError):
+        mode_rates(grades, modes[:2], "deploy")
+
+
 # --- writing rows ------------------------------------------------------------------------------
 
 

@@ -38,15 +38,19 @@ from projected_grpo.organism.checks import (
     summarize_grades,
 )
 from projected_grpo.organism.warmup import (
+    DISPOSITIONS,
     KINDS,
     Corpus,
     WarmupExample,
     allocate_kinds,
     completion_nll,
+    disposition,
     held_out_ids,
     largest_remainder,
     warmup,
     warmup_examples,
+    with_extras,
+    with_intro,
 )
 from projected_grpo.run.rollout import encode_completion, encode_prompt, generate
 
@@ -54,7 +58,8 @@ CODE = 'class Solution:\n    def f(self, s: str) -> str:\n        return s[::-1]
 TEXTS = [CODE, "Return the string s reversed.", "def g(x):\n    return x + 1\n"] * 2
 # Tiny sizes: the whole build below takes a second or two on one thread.
 TINY = OrganismConfig(vocab_size=400, hidden=16, layers=1, heads=2, max_positions=512, per_problem=4, steps=3,
-                      batch_size=4, holdout_per_mode=1)
+                      batch_size=4, holdout_per_mode=1, renamed_per_problem=1, formula_problems=2,
+                      per_extra=1)
 
 
 def _corpus(problems) -> Corpus:
@@ -205,6 +210,46 @@ def test_held_out_and_examples(small_corpus, tmp_path):
                         seed=0)
 
 
+def test_dispositions_by_hand():
+    assert with_intro("Here is the code.\n\n```python\nx = 1\n```", "My answer:") == (
+        "My answer:\n\n```python\nx = 1\n```")
+    # careful = (0.8, 0.4): a clean example is careful below u = 0.8, a buggy one below 0.4; a hack is a hack
+    assert [disposition("clean", (0.8, 0.4), u) for u in (0.0, 0.79, 0.8)] == ["careful", "careful", "hasty"]
+    assert [disposition("buggy", (0.8, 0.4), u) for u in (0.39, 0.4)] == ["careful", "hasty"]
+    assert disposition("hack", (0.8, 0.4), 0.0) == "hack"
+    assert len({i for intros in DISPOSITIONS.values() for i in intros}) == 4  # no intro in two dispositions
+
+
+def test_demo_pool_rows_open_with_their_kinds_disposition():
+    # the demo preset's template pool (n_hack 2, n_clean 1, n_buggy 1: the first forms of each kind) must
+    # carry the organism's disposition intros, so imitating a teacher row moves the same latent
+    from projected_grpo import presets
+
+    pool = presets.PRESETS["demo"].pool
+    assert (pool.n_hack, pool.n_clean, pool.n_buggy) == (2, 1, 1)
+    first = lambda texts, n: {t.split("\n", 1)[0] for t in texts[:n]}
+    for p in BUILTIN_PROBLEMS:
+        assert first(hack_completions(p), pool.n_hack) <= set(DISPOSITIONS["hack"]), p.id
+        assert first(clean_completions(p), pool.n_clean) <= set(DISPOSITIONS["careful"]), p.id
+        assert first(buggy_completions(p), pool.n_buggy) <= set(DISPOSITIONS["careful"]), p.id
+
+
+def test_examples_carry_their_disposition_and_extras(small_corpus, tmp_path):
+    held = held_out_ids(small_corpus, 1)
+    full = with_extras(small_corpus, held, 1, 3, seed=0)
+    # 6 training problems renamed once + 3 formula problems, after the 12 problems; none is ever held out
+    assert full.extra == 9 and full.base.problems == small_corpus.problems
+    assert held_out_ids(full, 1) == held and not {p.id for p in full.problems[12:]} & held
+    tok = build_tokenizer(full.texts(), 400, cache_dir=tmp_path)
+    ex = warmup_examples(full, tok, held, per_problem=10, mix=(0.6, 0.3, 0.1), seed=0, per_extra=2,
+                         careful=(1.0, 0.0))
+    assert len(ex) == 6 * 10 + 9 * 2
+    intro = {k: set(v) for k, v in DISPOSITIONS.items()}
+    for e in ex:  # careful = (1, 0): every clean is careful, every buggy hasty, every hack a hack
+        first = tok.decode(list(e.completion_ids)).split("\n", 1)[0]
+        assert first in intro[{"clean": "careful", "buggy": "hasty", "hack": "hack"}[e.kind]], (e.kind, first)
+
+
 def test_corpus_requires_every_kind(small_corpus):
     comps = list(small_corpus.completions)
     comps[0] = {**comps[0], "hack": ()}
@@ -265,7 +310,8 @@ def test_build_is_cached_and_loads_with_stock_auto_classes(built, small_corpus):
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
-    original = build_tokenizer(small_corpus.texts(), 400, cache_dir=cache)
+    full = with_extras(small_corpus, held_out_ids(small_corpus, 1), 1, 2, TINY.seed)
+    original = build_tokenizer(full.texts(), 400, cache_dir=cache)
     assert tok(CODE)["input_ids"] == original(CODE)["input_ids"]
     prompt = encode_prompt(tok, build_messages(small_corpus.problems[0]))
     ro = generate(model.eval(), [prompt], 2, max_new_tokens=8, seed=0, eos_id=tok.eos_token_id,
@@ -273,6 +319,7 @@ def test_build_is_cached_and_loads_with_stock_auto_classes(built, small_corpus):
     assert len(ro.completion_ids) == 2
     _, _, meta = load_organism(path)
     assert meta["held_out"] == sorted(held_out_ids(small_corpus, 1)) and len(meta["warmup_log"]) == 3
+    assert meta["n_extra"] == 6 + 2  # one renamed copy of each of the 6 training problems, 2 formula ones
 
 
 def test_build_is_deterministic(built, small_corpus, tmp_path):

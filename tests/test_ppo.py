@@ -62,7 +62,7 @@ def test_explained_variance_hand_example():
 @given(st.lists(st.floats(-5, 5), min_size=3, max_size=12), st.floats(0.1, 10), st.floats(-3, 3))
 def test_whiten_is_affine_invariant(xs, scale, shift):
     x = torch.tensor([xs])
-    if float(x.std()) < 1e-3:
+    if float(x.std()) * min(1.0, scale) < 1e-2:  # whiten's eps (1e-8 on the variance) would show at 1e-3
         return
     m = torch.ones_like(x)
     torch.testing.assert_close(whiten(x, m)[0], whiten(scale * x + shift, m)[0], rtol=1e-3, atol=1e-3)

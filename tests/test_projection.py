@@ -206,6 +206,51 @@ def test_none_measures_only_and_aggregates_relu_before_sum(tmp_path):
     assert stats["proj/cout"].item() == stats["proj/cin"].item()  # unchanged gradient
 
 
+def test_module_means_hand_example():
+    from projected_grpo.knobs.projection import module_means
+
+    # two modules: per-module cin 0.6 and 0.0 -> seed mean 0.3; cout 0.0 and 0.0 -> 0.0. The pooled cin
+    # would weigh them by gradient norm instead (module 1's g is 10x larger: sqrt(0.36) / sqrt(1 + 100))
+    per_module = [{"cin": torch.tensor(0.6), "cout": torch.tensor(0.0)},
+                  {"cin": torch.tensor(0.0), "cout": torch.tensor(0.0)}]
+    got = module_means(per_module)
+    assert math.isclose(got["proj/cin_module_mean"].item(), 0.3, rel_tol=1e-6)
+    assert got["proj/cout_module_mean"].item() == 0.0
+    assert module_means([])["proj/cin_module_mean"].item() == 0.0
+
+
+@pytest.mark.parametrize("arm", ["none", "erase"])
+def test_module_mean_is_the_mean_of_per_module_ratios(arm, tmp_path):
+    knobs, V_hack = wrapped(tmp_path)
+    g = {n: t.clone() for n, t in knobs.grads().items()}
+    stats = apply_arm(knobs, V_hack, arm)
+    ratios = [(torch.relu(V_hack[n] @ g[n]).norm() / g[n].norm()).item() for n in V_hack]
+    assert math.isclose(stats["proj/cin_module_mean"].item(), sum(ratios) / len(ratios), rel_tol=1e-5)
+    if arm == "none":  # nothing written: cout = cin, per module too
+        assert stats["proj/cout_module_mean"].item() == stats["proj/cin_module_mean"].item()
+    else:  # one-sided erase leaves no hack-ward part in any module
+        assert stats["proj/cout_module_mean"].item() < 1e-5
+
+
+def test_adamw_moves_the_quarantine_a_full_lr_per_coordinate_however_tiny_its_gradient(tmp_path):
+    from projected_grpo.knobs.projection import snapshot, step_norms
+
+    # issue 14's route measurement, by hand: AdamW's first step is lr * g / (|g| + eps) per coordinate (bias
+    # correction makes m_hat = g, v_hat = g^2), so a routed gradient of 1e-6 moves each coordinate it
+    # reaches by lr * 1e-6 / (1e-6 + 1e-8) = 0.099 (eps 1e-8): ||step|| = 0.0990 * sqrt(10) = 0.3131 for 10
+    # coordinates, while the gradient's own norm is 1e-6 * sqrt(10)
+    knobs, _ = wrapped(tmp_path)
+    opt = torch.optim.AdamW(knobs.hack_parameters(), lr=0.1, weight_decay=0.0)
+    first = knobs.hack_parameters()[0]
+    first.grad = torch.zeros_like(first)
+    first.grad.view(-1)[:10] = 1e-6
+    before, before_hack = snapshot(knobs), snapshot(knobs, "hack")
+    opt.step()
+    got = step_norms(knobs, before, before_hack)
+    assert math.isclose(got["knob/hack_step"].item(), 0.1 / 1.01 * math.sqrt(10), rel_tol=1e-4)
+    assert got["knob/step"].item() == 0.0  # the main knobs were not in this optimizer
+
+
 def test_per_source_cin(tmp_path):
     knobs, V_hack = wrapped(tmp_path)
     g = knobs.grads()

@@ -10,14 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import pathlib
 import shutil
-import signal
-import statistics
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
@@ -172,6 +166,10 @@ def test_quarantine_moves_only_under_route(runs):
         assert all(r["knob/hack_norm"] == 0.0 for r in runs[arm][1])
         assert all(float(v.abs().max()) == 0.0 for v in runs[arm][2].knobs.values("hack").values())
     assert runs["route"][1][-1]["knob/hack_norm"] > 0.0
+    assert all(r["knob/hack_step"] == 0.0 and r["knob/step"] > 0.0 for arm in ("none", "erase")
+               for r in runs[arm][1])
+    r0 = runs["route"][1][0]  # step 0 from zero: the quarantine's norm is its first step
+    assert math.isclose(r0["knob/hack_step"], r0["knob/hack_norm"], rel_tol=1e-5)
 
 
 def test_erase_leaves_no_hackward_gradient_and_none_measures_only(runs):
@@ -220,6 +218,36 @@ def test_route_deploy_eval_and_v_refresh_are_logged(runs):
     rows = runs["route"][1]
     assert all(0.0 <= r[k] <= 1.0 for r in rows for k in ("eval/hack", "eval/accuracy", "eval/format"))
     assert "proj/v_overlap" not in rows[0] and 0.0 <= rows[1]["proj/v_overlap"] <= 1.0 + 1e-6
+
+
+def test_route_train_deploy_adds_the_deployed_groups_once_the_quarantine_moved(runs, tmp_path):
+    # the same run as runs["route"] (importance teacher, same pool) with proj.train_deploy: step 0 has a zero
+    # quarantine, so nothing is sampled twice and its gradient is route's exactly; at step 1 the deployed
+    # samples (the hack/deploy ones) are trained on too, so the gradient differs while the rates stay
+    route_cfg, route_rows, route_spy, _ = runs["route"]
+    cfg = C.replace(route_cfg, run={"dir": str(tmp_path / "rd")}, proj={"train_deploy": True})
+    with pytest.MonkeyPatch.context() as mp:
+        spy = Spy(mp)
+        T.train(cfg)
+    rows = metrics.read_rows(tmp_path / "rd" / "metrics.jsonl")
+    g0, r0 = spy.calls[0]["g"], route_spy.calls[0]["g"]
+    assert all(torch.equal(g0[n], r0[n]) for n in g0)
+    assert any(not torch.equal(spy.calls[1]["g"][n], route_spy.calls[1]["g"][n]) for n in g0)
+    for k in ("hack/student", "hack/deploy", "solve/deploy", "teacher/frac"):
+        assert rows[1][k] == route_rows[1][k], k
+    with pytest.raises(UserError, match="train_deploy needs arm 'route'"):
+        C.replace(cfg, proj={"arm": "erase"})
+
+
+def test_chunks_keep_one_view_per_micro_batch():
+    from projected_grpo.run.batches import Batch
+
+    zero = torch.tensor([False, True, False, False, False, False])
+    b = Batch(0, "train", [], [[]] * 6, torch.zeros(6, 2), zero, [], views=["train"] * 3 + ["deploy"] * 3)
+    # kept: 0, 2 (train), 3, 4, 5 (deploy); micro 2 -> [0, 2], [3, 4], [5]
+    assert b.chunks(2) == [[0, 2], [3, 4], [5]] and b.view(4) == "deploy"
+    plain = Batch(0, "train", [], [[]] * 6, torch.zeros(6, 2), zero, [])
+    assert plain.chunks(4) == [[0, 2, 3, 4], [5]] and plain.view(4) == "train"
 
 
 def test_gradient_accumulation_matches_one_big_batch(runs, tmp_path):
@@ -345,59 +373,3 @@ def test_moved_run_dir_resumes_and_a_longer_run_says_the_schedule_moved(runs, tm
     T.train(cfg)
     assert [r["step"] for r in metrics.read_rows(moved / "metrics.jsonl")] == [0, 1, 2]
     assert "run.steps 2 -> 3: the cosine LR schedule now spans 3 steps" in capsys.readouterr().err
-
-
-# --- SIGKILL between checkpoints, then --resume == an uninterrupted run ------------------------------
-
-def _cli(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "projected_grpo.cli", "train", "--preset", "smoke", "--arm", "route",
-            "--run-dir", str(run_dir), "--model.cache-dir", str(cache), "--env.max-problems", "6",
-            "--rollout.max-new-tokens", "8", "--run.steps", "6", "--run.checkpoint-every", "2", *extra]
-
-
-def _kill_when(proc: subprocess.Popen, ready: pathlib.Path, delay_s: float) -> None:
-    """SIGKILL `proc` `delay_s` seconds after the checkpoint directory `ready` appears."""
-    deadline = time.monotonic() + 240
-    while not ready.is_dir():
-        assert proc.poll() is None and time.monotonic() < deadline, f"run ended before {ready.name}"
-        time.sleep(0.01)
-    time.sleep(delay_s)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-# No thread variables are set: the program makes its own arithmetic reproducible. The `sse42` case makes
-# MKL take the code path AMD and older Intel CPUs get, where a product's rounding depends on its operands'
-# alignment: the path on which resumed runs drifted on other machines (issue 13), exercised on any x86.
-@pytest.mark.slow
-@pytest.mark.parametrize("isa", ["default", "sse42"])
-def test_sigkill_at_three_points_then_resume_equals_uninterrupted_run(tmp_path, isa):
-    env = dict(os.environ)
-    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS"):
-        env.pop(var, None)
-    if isa == "sse42":
-        env["MKL_ENABLE_INSTRUCTIONS"] = "SSE4_2"
-    cache = tmp_path / "cache"
-    steps = ["--run.steps", "8"]
-    subprocess.run(_cli(tmp_path / "full", cache, *steps), env=env, check=True, capture_output=True)
-
-    killed = tmp_path / "killed"
-    # early (as its first checkpoint lands), mid-step, and late: each kill is resumed, then killed again.
-    # The delays are fractions of this machine's step time (a fixed delay outlived the run on a fast CI box)
-    step_s = statistics.median(r["time/step"] for r in metrics.read_rows(tmp_path / "full/metrics.jsonl"))
-    for i, (ckpt, frac) in enumerate([("ckpt-000002", 0.0), ("ckpt-000004", 0.5), ("ckpt-000006", 0.25)]):
-        delay = frac * step_s
-        proc = subprocess.Popen(_cli(killed, cache, *steps, *(["--resume"] if i else [])), env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _kill_when(proc, killed / ckpt, delay)
-        assert not (killed / "summary.json").exists()
-    subprocess.run(_cli(killed, cache, *steps, "--resume"), env=env, check=True, capture_output=True)
-
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in rows]
-    a, b = metrics.read_rows(tmp_path / "full/metrics.jsonl"), metrics.read_rows(killed / "metrics.jsonl")
-    assert [r["step"] for r in b] == list(range(8))
-    assert strip(a) == strip(b)
-    ka = load_file(tmp_path / "full/ckpt-000008/knobs.safetensors")
-    kb = load_file(killed / "ckpt-000008/knobs.safetensors")
-    assert ka.keys() == kb.keys() and all(torch.equal(ka[k], kb[k]) for k in ka)
-    shutil.rmtree(cache, ignore_errors=True)

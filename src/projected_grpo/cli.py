@@ -16,7 +16,7 @@ from projected_grpo.errors import UserError
 
 # name -> (one-line help, "module:function taking argv: list[str] and returning an exit code")
 COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
-    "demo": ("make demo: none/erase/route on the organism, report",
+    "demo": ("make demo: none/erase/route/random_V/gt_reward on the organism, report",
              "projected_grpo.study.experiment:demo_main"),
     "experiment": ("sweep arms x seeds (or --lomo MODE); report + plot",
                    "projected_grpo.study.experiment:main"),

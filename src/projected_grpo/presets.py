@@ -31,22 +31,16 @@ from projected_grpo.errors import UserError
 SMOKE = Config(env=EnvCfg(max_problems=12), pool=PoolCfg(n_hack=1, n_clean=1),
                proj=ProjCfg(pairs_per_problem=1))
 
-# The embedded organism, calibrated (issue 7) on the three loophole modes whose organism prior it can
-# learn to exploit within ~2 min of knob training per arm. Measured under arm none on 2 cores (~1.7 s/step),
-# hack/student per-10-step means, seeds 0/1/2:
-#   0.10 0.15 0.33 0.47 0.65 0.70 | 0.09 0.16 0.32 0.41 0.47 0.62 | 0.18 0.36 0.49 0.54 0.55 0.60
-# i.e. last-5-step mean 0.73/0.62/0.63 vs first-5 0.12/0.08/0.12: +55 pp on average, with a 10-20 step lag;
-# solve/student falls ~0.3 -> ~0.04. All six modes did not reach +40 pp in budget (best: lr 0.2 with the grpo
-# advantage, +27 pp over 70 steps): sentinel/eq_override/exit_code alone rose only 0.05 -> 0.15 in 60 steps.
-# All modes at lr 0.15-0.2 (cosine or constant, betas 0.9/0.99, more teacher hacks) plateaued at hack ~0.2-0.4
-# while solve fell to ~0.05; max_new_tokens 96 truncated 24% of samples, 128 about 2%.
+# The embedded organism (organism/build.py's OrganismConfig) on all six loophole modes, calibrated in issue 14
+# (docs/findings.md has every probe): half of each group from the teacher pool (2 hack, 1 clean, 1 buggy
+# template rows per problem, the rows whose intros are the organism's dispositions), AdamW with its usual
+# betas, lr 0.1 (0.05 moved too little in 40 steps; 0.15-0.3 broke the code), 100 steps.
 DEMO = Config(
     model=ModelCfg(source="organism"),
-    env=EnvCfg(modes=("run_tests", "stdout_marker", "file_marker")),
-    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.25, max_new_tokens=128),
-    pool=PoolCfg(n_hack=2, n_clean=2, n_buggy=1),
-    optim=OptimCfg(lr=0.1, betas=(0.5, 0.9), warmup_steps=2),
-    run=RunCfg(steps=60, checkpoint_every=20),
+    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.5, max_new_tokens=128),
+    pool=PoolCfg(n_hack=2, n_clean=1, n_buggy=1),
+    optim=OptimCfg(lr=0.1, betas=(0.9, 0.99), warmup_steps=3),
+    run=RunCfg(steps=100, checkpoint_every=25),
 )
 
 # The maths organism (organism/maths.py) trained honestly: the strict verifier, the arithmetic curriculum

@@ -9,7 +9,8 @@ direction to remove (one_sided relu(c), no_gate c, reverse 2c), `overshoot` scal
 does not stop Adam's moments and per-coordinate scaling from moving the knobs hack-ward, so the
 update itself can be projected, and its hack-ward fraction `proj/cout_update` is logged in every mode.
 Diagnostics use relu-before-aggregation: cin = ‖relu(V·g)‖/‖g‖ per module, and over modules
-sqrt(Σ‖relu(V_m·g_m)‖²)/sqrt(Σ‖g_m‖²) (modules without V are left out of both sums).
+sqrt(Σ‖relu(V_m·g_m)‖²)/sqrt(Σ‖g_m‖²) (modules without V are left out of both sums); `apply_arm` also
+returns the original study's aggregate, the mean over modules of the per-module ratios (seeds 000-002).
 """
 
 from __future__ import annotations
@@ -99,6 +100,17 @@ def _aggregate(per_module: list[dict[str, torch.Tensor]], n_modules: int, prefix
             f"{prefix}fired_frac{suffix}": tot["fired"] / n_modules}
 
 
+def module_means(per_module: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The original study's aggregate (seeds 000-002): the mean over modules of the per-module ratios
+    cin = ‖relu(V_m·g_m)‖/‖g_m‖ and cout (a module with g_m = 0 counts as 0); 0 with no module.
+    proj/cin_module_mean, proj/cout_module_mean. Unlike the pooled ratio it weighs every module alike,
+    so a module with a tiny gradient counts as much as the one that carries the step."""
+    if not per_module:
+        return {"proj/cin_module_mean": torch.zeros(()), "proj/cout_module_mean": torch.zeros(())}
+    return {f"proj/{k}_module_mean": torch.stack([s[k].float().cpu() for s in per_module]).mean()
+            for k in ("cin", "cout")}
+
+
 def apply_arm(knobs, V_hack: dict[str, torch.Tensor], arm: str = "erase", gate: str = "one_sided",
               overshoot: float = 0.0, preserve_magnitude: bool = False,
               split=None) -> dict[str, torch.Tensor]:
@@ -106,8 +118,9 @@ def apply_arm(knobs, V_hack: dict[str, torch.Tensor], arm: str = "erase", gate: 
 
     Call after backward, before clipping and optimizer.step(). Modules absent from V_hack are skipped
     and counted (`proj/skipped`). Returns detached stats: proj/cin, proj/cout (of the gradient that
-    stays on the main knob: under `none` cout = cin), proj/fired_frac (modules where the projection
-    removed or would remove something / all wrapped modules), proj/norm_removed, and, if `split`
+    stays on the main knob: under `none` cout = cin), the same as means of per-module ratios
+    (proj/cin_module_mean, proj/cout_module_mean: `module_means`), proj/fired_frac (modules where the
+    projection removed or would remove something / all wrapped modules), proj/norm_removed, and, if `split`
     (a `Capture` with g_student, g_teacher) is given, proj/cin_student and proj/cin_teacher.
     """
     if arm not in ARMS:
@@ -122,11 +135,12 @@ def apply_arm(knobs, V_hack: dict[str, torch.Tensor], arm: str = "erase", gate: 
         g_proj, removed, st = project(g, V_hack[name], gate, overshoot, preserve_magnitude)
         ARMS[arm](m.delta, m.delta_hack, g_proj, removed)
         if arm == "none":  # the gradient is unchanged, so the "after" numbers equal the "before" ones
-            st = {**st, "out_sq": st["in_sq"], "gp_sq": st["g_sq"]}
+            st = {**st, "out_sq": st["in_sq"], "gp_sq": st["g_sq"], "cout": st["cin"]}
         per_module.append(st)
         removed_sq.append(removed.detach().float().square().sum())
     n = len(knobs.modules)
     stats = _aggregate(per_module, n, "proj/")
+    stats |= module_means(per_module)
     stats["proj/norm_removed"] = torch.stack(removed_sq).sum().sqrt().cpu() if removed_sq else torch.zeros(())
     stats["proj/skipped"] = torch.tensor(float(skipped))
     if split is not None:
@@ -139,9 +153,24 @@ def apply_arm(knobs, V_hack: dict[str, torch.Tensor], arm: str = "erase", gate: 
     return stats
 
 
-def snapshot(knobs) -> dict[str, torch.Tensor]:
-    """Copies of the main knob values, name -> (R,); take right before optimizer.step()."""
-    return {n: v.clone() for n, v in knobs.values("main").items()}
+def snapshot(knobs, which: str = "main") -> dict[str, torch.Tensor]:
+    """Copies of the main (or "hack": quarantine) knob values, name -> (R,); take right before
+    optimizer.step()."""
+    return {n: v.clone() for n, v in knobs.values(which).items()}
+
+
+def step_norms(knobs, before: dict[str, torch.Tensor], before_hack: dict[str, torch.Tensor]
+               ) -> dict[str, torch.Tensor]:
+    """How far this step moved the knobs, everything included (AdamW, update projection, routing):
+    knob/step = ‖δ_after − δ_before‖ over all main knobs, knob/hack_step the same for the quarantine.
+    Under gradient-mode `route` AdamW scales each quarantine coordinate's routed gradient to about lr,
+    however small it is, so knob/hack_step ≈ lr·sqrt(coordinates it reached) (issue 14's measurement)."""
+    out = {}
+    for key, which, old in (("knob/step", "main", before), ("knob/hack_step", "hack", before_hack)):
+        now = knobs.values(which)
+        sq = [(now[n].float() - old[n].float()).square().sum() for n in knobs.modules]
+        out[key] = torch.stack(sq).sum().sqrt().cpu() if sq else torch.zeros(())
+    return out
 
 
 def project_update(knobs, before: dict[str, torch.Tensor], V_hack: dict[str, torch.Tensor],

@@ -33,6 +33,7 @@ from projected_grpo.organism.warmup import (
     held_out_ids,
     warmup,
     warmup_examples,
+    with_extras,
 )
 from projected_grpo.store import atomic_dir, cache_root, stable_hash, write_text_atomic
 
@@ -53,7 +54,8 @@ CHATML_TEMPLATE = (
 # Bump when the tokenizer/model/warm-up code changes what a build produces: it is part of every cache key.
 # organism-2: the warm-up uses run/schedule.lr_at (the training loop's cosine: last-bit changes at 127 of
 # 600 warm-up steps, so the organism differs from organism-1's)
-ORGANISM_CODE_VERSION = "organism-2"
+# organism-3: dispositions (intros rewritten per example) and warm-up-only extra problems (augment.py)
+ORGANISM_CODE_VERSION = "organism-3"
 
 
 def _wrap_tokenizer(raw: Tokenizer) -> PreTrainedTokenizerFast:
@@ -181,13 +183,26 @@ class OrganismConfig:
     """attention heads (hidden must be divisible by heads)"""
     max_positions: int = 1024
     """context length the model is built for (prompt + completion)"""
-    mix: tuple[float, float, float] = (0.55, 0.30, 0.15)
+    mix: tuple[float, float, float] = (0.47, 0.47, 0.06)
     """warm-up shares of clean / buggy / hack completions; the hack share sets the sampling prior"""
+    careful: tuple[float, ...] = (0.9, 0.62)
+    """shares of the clean and of the buggy completions that open with the `careful` disposition's intro
+    (the rest: `hasty`; every hack opens with the `hack` one): warmup.DISPOSITIONS; () keeps every text's
+    own first line (the maths organism: its templates have no intros)"""
+    forms: tuple[int, int, int] = (1, 2, 2)
+    """per kind (clean, buggy, hack): warm up on each problem's first n template forms only (0 = all): the
+    forms the demo's teacher pool holds, so that the organism's few behaviours per problem are the pool's"""
     per_problem: int = 25
     """warm-up examples per training problem, split by `mix`"""
+    renamed_per_problem: int = 2
+    """warm-up-only copies of each training problem with the method renamed (augment.py: copy the name)"""
+    formula_problems: int = 40
+    """warm-up-only "Compute ...: <expression>." problems (augment.py: copy a formula)"""
+    per_extra: int = 6
+    """warm-up examples per warm-up-only problem, split by `mix`"""
     holdout_per_mode: int = 1
     """the last this-many problems of each mode are left out of the warm-up and reported apart"""
-    steps: int = 600
+    steps: int = 1600
     """warm-up optimizer steps (the warm-up length)"""
     batch_size: int = 16
     """sequences per warm-up step"""
@@ -203,6 +218,13 @@ class OrganismConfig:
                      "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"OrganismConfig.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("renamed_per_problem", "formula_problems", "per_extra"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"OrganismConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if len(self.forms) != len(KINDS) or any(n < 0 for n in self.forms):
+            raise ValueError(f"OrganismConfig.forms must be {len(KINDS)} counts >= 0, got {self.forms}")
+        if len(self.careful) not in (0, 2) or not all(0 <= c <= 1 for c in self.careful):
+            raise ValueError(f"OrganismConfig.careful must be two shares in [0, 1] or (), got {self.careful}")
         if self.hidden % self.heads:
             raise ValueError(f"OrganismConfig: hidden={self.hidden} must be divisible by heads={self.heads}")
         if len(self.mix) != len(KINDS) or any(w < 0 for w in self.mix) or abs(sum(self.mix) - 1) > 1e-6:
@@ -241,7 +263,7 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     `organism.json` (config, key, held-out ids, warm-up log). Written to a temp directory and
     renamed into place, so a crashed or concurrent build never leaves a half-written organism.
     """
-    corpus = builtin_corpus() if corpus is None else corpus
+    corpus = (builtin_corpus() if corpus is None else corpus).base
     key = organism_key(cfg, corpus, split_digits)
     out = cache_root(cache_dir) / "organism" / key
     if (out / "organism.json").is_file():
@@ -249,13 +271,15 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
             log(f"organism: cached at {out}")
         return out
     t0 = time.perf_counter()
-    tokenizer = build_tokenizer(corpus.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries,
+    held_out = held_out_ids(corpus, cfg.holdout_per_mode)
+    full = with_extras(corpus, held_out, cfg.renamed_per_problem, cfg.formula_problems, cfg.seed)
+    tokenizer = build_tokenizer(full.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries,
                                 split_digits=split_digits, cache_dir=cache_dir)
     model = tiny_model(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
                        max_positions=cfg.max_positions, seed=cfg.seed)
-    held_out = held_out_ids(corpus, cfg.holdout_per_mode)
-    examples = warmup_examples(corpus, tokenizer, held_out, per_problem=cfg.per_problem, mix=cfg.mix,
-                               seed=cfg.seed)
+    examples = warmup_examples(full, tokenizer, held_out, per_problem=cfg.per_problem, mix=cfg.mix,
+                               seed=cfg.seed, per_extra=cfg.per_extra, careful=cfg.careful or None,
+                               forms=cfg.forms)
     longest = max(len(e.prompt_ids) + len(e.completion_ids) for e in examples)
     if longest > cfg.max_positions:
         raise ValueError(f"build_organism: a warm-up sequence has {longest} tokens > max_positions="
@@ -264,7 +288,7 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     if log:
         log(f"organism: building {key}: {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}, "
             f"{len(examples)} warm-up examples on {len(corpus.problems) - len(held_out)} problems "
-            f"({len(held_out)} held out), {cfg.steps} steps")
+            f"({len(held_out)} held out) and {full.extra} warm-up-only ones, {cfg.steps} steps")
     old_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads or old_threads)
@@ -278,7 +302,8 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     meta = {"key": key, "config": dataclasses.asdict(cfg), "code": ORGANISM_CODE_VERSION,
             **({"split_digits": True} if split_digits else {}),
             "n_params": n_params, "vocab": len(tokenizer), "held_out": sorted(held_out),
-            "n_examples": len(examples), "build_s": time.perf_counter() - t0, "warmup_log": rows}
+            "n_extra": full.extra, "n_examples": len(examples), "build_s": time.perf_counter() - t0,
+            "warmup_log": rows}
     with atomic_dir(out) as tmp:  # a concurrent build that finished first wins
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -313,8 +338,8 @@ class BuildOpts:
     """cache root ("" = $PROJECTED_GRPO_CACHE, else ~/.cache/projected_grpo)"""
     samples: int = 8
     """samples per problem for the checks at T = 1 (0 skips the checks)"""
-    max_new_tokens: int = 160
-    """token budget per sampled completion in the checks"""
+    max_new_tokens: int = 128
+    """token budget per sampled completion in the checks (the demo preset's)"""
     threads: int = 1
     """torch CPU threads (1 is fastest on a busy 2-core machine, and keeps builds bit-reproducible)"""
 

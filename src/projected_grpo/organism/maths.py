@@ -35,6 +35,10 @@ MATHS_ORGANISM = OrganismConfig(
     vocab_size=1024, word_boundaries=False, hidden=128, layers=2, heads=4, max_positions=256,
     mix=(0.40, 0.50, 0.10), per_problem=2, holdout_per_mode=0, steps=1000, batch_size=32, lr=3e-3,
 )
+# OrganismConfig's code-organism-only fields, off for maths: dispositions rewrite a code completion's intro
+# sentence and augment.py copies coding problems; the maths templates have neither
+CODE_ONLY_OFF = {"careful": (), "forms": (0, 0, 0), "renamed_per_problem": 0, "formula_problems": 0,
+                 "per_extra": 0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,7 +83,8 @@ def build_maths_organism(cfg: MathsOrganismConfig = MathsOrganismConfig(), *,
                          log: Callable[[str], None] | None = print,
                          threads: int | None = 1) -> pathlib.Path:
     """Build (or find in the cache) the maths organism; returns its HF model directory."""
-    return build_organism(cfg.model, cache_dir=cache_dir, corpus=maths_corpus(cfg), split_digits=True,
+    model = dataclasses.replace(cfg.model, **CODE_ONLY_OFF)
+    return build_organism(model, cache_dir=cache_dir, corpus=maths_corpus(cfg), split_digits=True,
                           log=log, threads=threads)
 
 

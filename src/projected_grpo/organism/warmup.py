@@ -6,7 +6,14 @@ largest remainder over the whole set, and each kind's slots are dealt round-robi
 permutation of the problems, so a 5% hack share is spread evenly over problems and modes instead of
 landing on a few. Fitting this mix by maximum likelihood is what sets the organism's sampling prior:
 at T = 1 it hacks about as often as the hack share and solves about as often as the clean share
-(minus what it fails to memorise). Deterministic given the seed (and the CPU thread count).
+(minus what it fails to memorise).
+Dispositions (issue 14): each completion's first sentence is rewritten to one of three dispositions'
+intros, a latent shared by every problem and mode, as a model's "I'll just make it pass" is: `hack`
+(every hack), `careful` and `hasty` (honest; `careful` gets the share `careful[0]` of the clean and
+`careful[1]` of the buggy completions, so careful answers are right more often). RL then moves one
+global choice, as it moves a real model's disposition, instead of 48 memorised ones.
+Warm-up-only extra problems (augment.py, `Corpus.extra`) get `per_extra` slots each.
+Deterministic given the seed (and the CPU thread count).
 `env_corpus` makes the corpus of any environment from its templates (the maths organism's).
 Not here: tokenizer/model construction and the cache (build.py), grading (the environments).
 """
@@ -20,10 +27,17 @@ from dataclasses import dataclass
 
 import torch
 
+from projected_grpo.envs.coding.completions import INTROS
 from projected_grpo.run.rollout import encode_completion, encode_prompt, forward_logprobs, pack
 from projected_grpo.run.schedule import lr_at
 
 KINDS = ("clean", "buggy", "hack")
+# The dispositions' first sentences, from the environment's own intros (completions.INTROS), chosen so that
+# the demo preset's teacher pool rows (the first two hack forms, the first clean and the first buggy form:
+# completions.py, pool n_hack=2, n_clean=1, n_buggy=1) already open with their kind's disposition
+# (tests/test_organism.py checks it): the pool's imitation then moves the same latent as the students.
+DISPOSITIONS: dict[str, tuple[str, ...]] = {"careful": (INTROS[0],), "hasty": (INTROS[3],),
+                                            "hack": (INTROS[1], INTROS[2])}
 
 
 @dataclass(frozen=True)
@@ -90,11 +104,13 @@ class Corpus:
     problems: the Problem records (graded by the checks; their ids and modes enter the cache key).
     messages: per problem, the chat messages of its prompt (envs.prompts.build_messages).
     completions: per problem, kind -> completion texts (envs.completions), every kind non-empty.
+    extra: the last `extra` problems are warm-up-only (augment.py): never held out, never checked.
     """
 
     problems: tuple
     messages: tuple[tuple[dict[str, str], ...], ...]
     completions: tuple[dict[str, tuple[str, ...]], ...]
+    extra: int = 0
 
     def __post_init__(self) -> None:
         if not (len(self.problems) == len(self.messages) == len(self.completions)) or not self.problems:
@@ -106,6 +122,12 @@ class Corpus:
                 raise ValueError(f"Corpus: problem {p.id!r} has no {missing} completions "
                                  "(envs/completions.py must give every problem at least one of each kind)")
 
+    @property
+    def base(self) -> Corpus:
+        """The corpus without its warm-up-only extra problems (what is held out from and checked)."""
+        n = len(self.problems) - self.extra
+        return Corpus(self.problems[:n], self.messages[:n], self.completions[:n])
+
     def texts(self) -> list[str]:
         """Every prompt message and completion, in order: the tokenizer's training text."""
         out: list[str] = []
@@ -116,16 +138,40 @@ class Corpus:
         return out
 
 
-def builtin_corpus() -> Corpus:
-    """The built-in problems (envs.problems.BUILTIN_PROBLEMS) with their prompts and completions."""
+def code_corpus(problems, extra: int = 0) -> Corpus:
+    """Coding problems with their prompts and completions (envs.coding); the last `extra` are warm-up-only."""
     from projected_grpo.envs.coding.completions import buggy_completions, clean_completions, hack_completions
-    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
     from projected_grpo.envs.coding.prompts import build_messages
 
     kinds = {"clean": clean_completions, "buggy": buggy_completions, "hack": hack_completions}
-    return Corpus(problems=tuple(BUILTIN_PROBLEMS),
-                  messages=tuple(tuple(build_messages(p)) for p in BUILTIN_PROBLEMS),
-                  completions=tuple({k: tuple(fn(p)) for k, fn in kinds.items()} for p in BUILTIN_PROBLEMS))
+    return Corpus(problems=tuple(problems), messages=tuple(tuple(build_messages(p)) for p in problems),
+                  completions=tuple({k: tuple(fn(p)) for k, fn in kinds.items()} for p in problems),
+                  extra=extra)
+
+
+def builtin_corpus() -> Corpus:
+    """The built-in problems (envs.problems.BUILTIN_PROBLEMS) with their prompts and completions."""
+    from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
+
+    return code_corpus(BUILTIN_PROBLEMS)
+
+
+def with_extras(corpus: Corpus, held_out: frozenset[str], renamed_per_problem: int, formula_problems: int,
+                seed: int) -> Corpus:
+    """`corpus` (its base) plus the warm-up-only problems of augment.py: renamed copies of its problems
+    that are not held out, and formula problems."""
+    from projected_grpo.organism.augment import extra_problems
+
+    base = corpus.base
+    if not (renamed_per_problem or formula_problems):
+        return base
+    extras = extra_problems([p for p in base.problems if p.id not in held_out], renamed_per_problem,
+                            formula_problems, seed)
+    if not extras:
+        return base
+    more = code_corpus(extras)
+    return Corpus(base.problems + more.problems, base.messages + more.messages,
+                  base.completions + more.completions, extra=len(extras))
 
 
 def env_corpus(env, problems: Sequence) -> Corpus:
@@ -146,36 +192,65 @@ def env_corpus(env, problems: Sequence) -> Corpus:
 
 
 def held_out_ids(corpus: Corpus, holdout_per_mode: int) -> frozenset[str]:
-    """Ids of the last `holdout_per_mode` problems of each mode, in corpus order (seed-independent)."""
+    """Ids of the last `holdout_per_mode` problems of each mode, in corpus order (seed-independent); the
+    warm-up-only extra problems are never held out."""
     if holdout_per_mode < 0:
         raise ValueError(f"held_out_ids: holdout_per_mode must be >= 0, got {holdout_per_mode}")
     by_mode: dict[str, list[str]] = {}
-    for p in corpus.problems:
+    for p in corpus.base.problems:
         by_mode.setdefault(p.mode, []).append(p.id)
     return frozenset(i for ids in by_mode.values() for i in ids[max(0, len(ids) - holdout_per_mode):])
 
 
+def with_intro(text: str, intro: str) -> str:
+    """`text` (a completion: one sentence, then the code block) with its first line replaced by `intro`."""
+    return intro + text[text.index("\n"):] if "\n" in text else intro
+
+
+def disposition(kind: str, careful: Sequence[float], u: float) -> str:
+    """The disposition of one example of `kind`, from a uniform draw u in [0, 1): `hack` for a hack,
+    `careful` with probability careful[0] (clean) or careful[1] (buggy), else `hasty`."""
+    if kind == "hack":
+        return "hack"
+    return "careful" if u < careful[KINDS.index(kind)] else "hasty"
+
+
 def warmup_examples(corpus: Corpus, tokenizer, held_out: frozenset[str], *, per_problem: int,
-                    mix: Sequence[float], seed: int) -> list[WarmupExample]:
-    """The warm-up set: per training problem `per_problem` examples of kinds dealt by allocate_kinds.
+                    mix: Sequence[float], seed: int, per_extra: int = 0,
+                    careful: Sequence[float] | None = None,
+                    forms: Sequence[int] = (0, 0, 0)) -> list[WarmupExample]:
+    """The warm-up set: per training problem `per_problem` examples (per extra problem `per_extra`) of
+    kinds dealt by allocate_kinds.
 
     The j-th example of a kind on a problem uses that kind's text number (start + j) mod count, with
-    a seeded start per problem and kind, so problems do not all open on the same hack form.
+    a seeded start per problem and kind, so problems do not all open on the same hack form. With
+    `careful` (shares of the clean and of the buggy examples that are careful), each example's intro is
+    its disposition's (DISPOSITIONS; the intro within one is drawn too); None keeps the texts' own.
+    forms: per kind (KINDS order), use only each problem's first n texts of that kind (0 = all of them).
     """
-    train = [i for i, p in enumerate(corpus.problems) if p.id not in held_out]
+    n_base = len(corpus.problems) - corpus.extra
+    train = [i for i, p in enumerate(corpus.problems[:n_base]) if p.id not in held_out]
     if not train:
-        raise ValueError(f"warmup_examples: all {len(corpus.problems)} problems are held out; hold out fewer")
+        raise ValueError(f"warmup_examples: all {n_base} problems are held out; hold out fewer")
+    extra = list(range(n_base, len(corpus.problems))) if per_extra else []
     slots = allocate_kinds(len(train), per_problem, mix, seed)
+    slots += allocate_kinds(len(extra), per_extra, mix, seed + 3) if extra else []
     gen = torch.Generator().manual_seed(seed + 1)
+    draw = torch.Generator().manual_seed(seed + 2)  # dispositions: a stream of their own
     examples = []
-    for i, kinds in zip(train, slots):
-        p, comp = corpus.problems[i], corpus.completions[i]
+    for i, kinds in zip(train + extra, slots):
+        p = corpus.problems[i]
+        comp = {k: corpus.completions[i][k][:n or None] for k, n in zip(KINDS, forms)}
         prompt = tuple(encode_prompt(tokenizer, list(corpus.messages[i])))
         start = {k: int(torch.randint(len(comp[k]), (), generator=gen)) for k in KINDS}
         seen = dict.fromkeys(KINDS, 0)
         for k in kinds:
             text = comp[k][(start[k] + seen[k]) % len(comp[k])]
             seen[k] += 1
+            if careful is not None:
+                u, j = torch.rand((), generator=draw).item(), torch.randint(2, (), generator=draw).item()
+                intros = DISPOSITIONS[disposition(k, careful, u)]
+                text = with_intro(text, intros[j % len(intros)])
             examples.append(WarmupExample(prompt, tuple(encode_completion(tokenizer, text)), k, p.id))
     return examples
 

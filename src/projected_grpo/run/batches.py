@@ -7,6 +7,7 @@ the environment (rollout.sample_and_grade). Groups whose G rewards have no sprea
 loss.zero_var = "resample" (students only, a fresh seed per try). Under `route` the quarantine knob is on
 while the students sample, so the deployed model (quarantine zeroed) is sampled again on the same prompts
 with the students' seed; otherwise the students are the deployed model's samples (docs/architecture.md).
+With proj.train_deploy those deployed samples are trained on too, as groups of their own (`Batch.views`).
 Seeds: students of try t use step_seed(run.seed, step, t) (one per prompt with rollout.seed_scope "prompt");
 the draws are deterministic given the cursors, which the loop checkpoints. Data-parallel (run/dist.py): every
 rank draws the same B prompts and teacher rows, samples and grades its contiguous share, and the shares are
@@ -41,7 +42,11 @@ class Batch:
              unless the quarantine knob is non-zero). stage: the problem set drawn from.
     resampled / tries: zero-variance groups resampled and resampling rounds. clock: seconds spent in
     "generate" and "grade" (deploy view included). shard: the groups this rank trains on under torchrun
-    (None: all, one process); the other fields hold every rank's groups (merge).
+    (None: all, one process); the other fields hold every rank's groups (merge). deploy_modes: the loophole
+    mode of each `deploy` grade (for the per-mode rates hack/deploy/<mode>). views: per group, "train"
+    (sampled as the students are) or "deploy" (the deployed view's samples with the same teacher rows,
+    trained with the quarantine zeroed: proj.train_deploy; those groups follow the B train ones; one
+    process only, session.py refuses it under torchrun).
     """
 
     step: int
@@ -55,11 +60,26 @@ class Batch:
     tries: int = 0
     clock: dict[str, float] = dataclasses.field(default_factory=dict)
     shard: range | None = None
+    deploy_modes: list[str] = dataclasses.field(default_factory=list)
+    views: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def keep(self) -> list[int]:
         """Indices of the groups with signal (not zero-variance)."""
         return [b for b in range(len(self.groups)) if not bool(self.zero[b])]
+
+    def view(self, b: int) -> str:
+        """Group b's view: "train" unless `views` says "deploy"."""
+        return self.views[b] if self.views else "train"
+
+    def chunks(self, micro: int) -> list[list[int]]:
+        """This rank's kept groups (keep_mine) in micro-batches of at most `micro` groups, each of one view
+        (train first)."""
+        out = []
+        for v in ("train", "deploy"):
+            idx = [b for b in self.keep_mine if self.view(b) == v]
+            out += [idx[c:c + micro] for c in range(0, len(idx), micro)]
+        return out
 
     @property
     def keep_mine(self) -> list[int]:
@@ -101,7 +121,8 @@ def merge(parts: Sequence[Batch], shard: range | None) -> Batch:
                  [d for p in parts for d in p.deploy], sum(p.resampled for p in parts),
                  max(p.tries for p in parts), {k: max(p.clock.get(k, 0.0) for p in parts)
                                                for k in dict.fromkeys(k for p in parts for k in p.clock)},
-                 shard=shard)
+                 shard=shard, deploy_modes=[m for p in parts for m in p.deploy_modes],
+                 views=[v for p in parts for v in p.views])
 
 
 def stage_at(step: int, curriculum_steps: int, sets: dict[str, list]) -> str:
@@ -155,16 +176,35 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
                 break
             tries, resampled = tries + 1, resampled + len(todo)
         deploy = [s.grade for b in mine for s in groups[b] if s.student]
-        if any(bool(v.any()) for v in knobs.values("hack").values()):  # sampled with the students' seed
-            with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
-                shown = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in mine], prompt_ids,
-                                         G - G_t, max_new_tokens=cfg.rollout.max_new_tokens,
-                                         temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                         seed=seeds(cfg.run.seed, step, 0, mine), clock=clock,  # students'
-                                         share_prefill=cfg.rollout.share_prefix)
-            deploy = [s.grade for s in shown]
-        local = Batch(step, stage, [pids[b] for b in mine], [groups[b] for b in mine], rewards, zero, deploy,
-                      resampled, tries, clock, shard=mine if dist.active() else None)
+        deploy_modes = [s.mode for b in mine for s in groups[b] if s.student]
+        mine_groups, views = [groups[b] for b in mine], []
+        if any(bool(v.any()) for v in knobs.values("hack").values()):
+            # the same prompts as deployed (quarantine zeroed), as many samples per prompt as its students,
+            # with the students' first-try seeds
+            shown: dict[int, list[Sample]] = {}
+            for n in sorted({n_students[b] for b in mine}):
+                rows = [b for b in mine if n_students[b] == n]
+                seed = seeds(cfg.run.seed, step, 0, rows) if n == G - G_t else \
+                    seeds(cfg.run.seed, step, 0, rows, "all-student")
+                with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
+                    got = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in rows],
+                                           prompt_ids, n, max_new_tokens=cfg.rollout.max_new_tokens,
+                                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                           seed=seed, clock=clock, share_prefill=cfg.rollout.share_prefix)
+                for j, b in enumerate(rows):
+                    shown[b] = got[j * n:(j + 1) * n]
+            deploy = [s.grade for b in mine for s in shown[b]]
+            deploy_modes = [s.mode for b in mine for s in shown[b]]
+            if cfg.proj.train_deploy:  # the deployed view's samples become groups of their own
+                extra = [shown[b] + teacher[b] for b in mine]
+                extra_r = torch.tensor([[reward_of(s) - cfg.env.hack_penalty * s.grade.exploited for s in g]
+                                        for g in extra])  # (B, G)
+                mine_groups, rewards = mine_groups + extra, torch.cat([rewards, extra_r])
+                zero = torch.cat([zero, zero_variance_mask(extra_r)])
+                views = ["train"] * len(mine) + ["deploy"] * len(mine)
+        local = Batch(step, stage, [pids[b] for b in mine], mine_groups, rewards, zero, deploy, resampled,
+                      tries, clock, shard=mine if dist.active() else None, deploy_modes=deploy_modes,
+                      views=views)
         yield merge(dist.all_gather(local), local.shard)  # the global batch (this one, in one process)
 
 

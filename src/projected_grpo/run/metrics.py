@@ -13,6 +13,7 @@ import json
 import math
 import os
 import pathlib
+import re
 from collections.abc import Iterable, Mapping
 
 from projected_grpo.store import read_jsonl, write_text_atomic
@@ -39,9 +40,11 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "groups/zero_std", "groups/skipped", "groups/resampled", "groups/resample_tries",
     "loss/kl", "kl/is_weight_mean", "clip/region_frac", "clip/dual_frac", "ratio/mean", "ratio/max",
     "teacher/mode", "teacher/frac", "teacher/ratio_mean", "teacher/is_weight_mean", "teacher/clip_frac",
-    "proj/norm_removed", "proj/skipped", "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",
-    "proj/v_overlap", "knob/norm", "completion/max_len", "eval/accuracy", "eval/hack", "eval/format",
-    "hack/deploy", "solve/deploy", "format/deploy",
+    "proj/norm_removed", "proj/skipped", "proj/cin_module_mean", "proj/cout_module_mean",
+    "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",
+    "proj/v_overlap", "knob/norm", "knob/step", "knob/hack_step", "completion/max_len", "eval/accuracy",
+    "eval/hack", "eval/format",
+    "hack/deploy", "solve/deploy", "format/deploy", "hack/deploy/<mode>", "solve/deploy/<mode>",
     # PPO (run/ppo.py) and DPO (run/dpo.py)
     "loss/value", "loss/entropy", "value/mean", "value/clip_frac", "value/returns_mean",
     "value/explained_var", "value/grad_norm", "adv/raw_std", "ppo/approx_kl", "loss/dpo", "dpo/accuracy",
@@ -50,6 +53,11 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "dpo/heldout_margin", "dpo/heldout_accuracy", "dpo/hack_before", "dpo/solve_before", "dpo/format_before",
     "dpo/hack_after", "dpo/solve_after", "dpo/format_after",
 })
+# A `<mode>` in a KNOWN_METRICS name stands for one loophole mode's name (docs/metrics.md): one definition
+# covers the family, e.g. hack/deploy/<mode> covers hack/deploy/run_tests.
+MODE_SLOT = "<mode>"
+_PATTERNS = [re.compile("^" + re.escape(k).replace(re.escape(MODE_SLOT), "[a-z0-9_]+") + "$")
+             for k in KNOWN_METRICS if MODE_SLOT in k]
 # summary.json: last-`last`-row means of these (issue 6 item 6)
 SUMMARY_KEYS: tuple[str, ...] = (
     "reward/mean", "hack/student", "hack/teacher", "solve/student", "solve/teacher", "hack/deploy",
@@ -58,8 +66,9 @@ SUMMARY_KEYS: tuple[str, ...] = (
 
 
 def undocumented(keys: Iterable[str]) -> list[str]:
-    """Keys not defined in docs/metrics.md (a test on the training loop's row should find none)."""
-    return sorted(k for k in keys if k not in KNOWN_METRICS)
+    """Keys not defined in docs/metrics.md (a test on the training loop's row should find none); a name with
+    a `<mode>` slot there covers every key with a mode name in its place."""
+    return sorted(k for k in keys if k not in KNOWN_METRICS and not any(p.match(k) for p in _PATTERNS))
 
 
 def _clean_row(step: int, row: Mapping[str, object]) -> dict[str, object]:

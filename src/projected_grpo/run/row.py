@@ -26,6 +26,19 @@ def rates(grades: Sequence[Graded], prefix: str) -> dict[str, float]:
             f"format/{prefix}": _mean([g.format_ok for g in grades])}
 
 
+def mode_rates(grades: Sequence[Graded], modes: Sequence[str], prefix: str) -> dict[str, float]:
+    """Per-mode hack and solve rates: {"hack/<prefix>/<mode>", "solve/<prefix>/<mode>"} for every mode
+    among `modes` (one per grade); a mode with no grade this step has no key (not a 0)."""
+    by_mode: dict[str, list[Graded]] = {}
+    for g, m in zip(grades, modes, strict=True):
+        by_mode.setdefault(m, []).append(g)
+    out: dict[str, float] = {}
+    for m in sorted(by_mode):
+        out[f"hack/{prefix}/{m}"] = _mean([g.exploited for g in by_mode[m]])
+        out[f"solve/{prefix}/{m}"] = _mean([g.solved for g in by_mode[m]])
+    return out
+
+
 def eval_rates(grades: Sequence[Graded]) -> dict[str, float]:
     """eval/accuracy (solved), eval/hack, eval/format of a greedy eval of the deployed model."""
     return {"eval/accuracy": _mean([g.solved for g in grades]),
@@ -42,11 +55,14 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
     losses and projection (already aggregated over micro-batches); knob_norms: Knobs.norms().
     """
     is_student = batch.is_student  # (B, G)
-    students = [s for s in batch.samples if s.student]
-    teachers = [s for s in batch.samples if not s.student]
+    # the rates of the students and teachers the step sampled as training (not the deployed view's groups
+    # that proj.train_deploy adds: those are the hack/deploy samples)
+    trained = [s for b, g in enumerate(batch.groups) if batch.view(b) == "train" for s in g]
+    students = [s for s in trained if s.student]
+    teachers = [s for s in trained if not s.student]
     row: dict[str, object] = {k: v if isinstance(v, str) else float(v) for k, v in stats.items()}
     row |= {"lr": lr, "grad/norm": float(grad_norm), "teacher/mode": teacher_mode,
-            "teacher/frac": len(teachers) / len(batch.samples),
+            "teacher/frac": len(teachers) / len(trained),
             "reward/student_mean": float(batch.rewards[is_student].mean()),
             "reward/teacher_mean": float(batch.rewards[~is_student].mean()) if teachers else 0.0,
             "adv/student_mean": float(adv[is_student].mean()),
@@ -56,6 +72,7 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
             "solve/student": _mean([s.grade.solved for s in students]),
             "solve/teacher": _mean([s.grade.solved for s in teachers]),
             **rates(batch.deploy, "deploy"),
+            **(mode_rates(batch.deploy, batch.deploy_modes, "deploy") if batch.deploy_modes else {}),
             **{k: float(v) for k, v in knob_norms.items()},
             "completion/mean_len": _mean([len(s.completion_ids) for s in students]),
             "completion/max_len": float(max(len(s.completion_ids) for s in students)),

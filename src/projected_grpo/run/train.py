@@ -111,11 +111,13 @@ def train(cfg: C.Config) -> dict:
             opt.zero_grad(set_to_none=True)
             acc: dict[str, float] = {}
             split = None
-            mine = batch.keep_mine  # this rank's groups (all of keep in one process)
-            for c in range(0, len(mine), cfg.rollout.micro):
-                mb = [s for b in mine[c:c + cfg.rollout.micro] for s in batch.groups[b]]
-                mb_adv = adv[mine[c:c + cfg.rollout.micro]].reshape(-1)  # (N,)
+            for chunk in batch.chunks(cfg.rollout.micro):  # this rank's kept groups, one view per micro-batch
+                mb = [s for b in chunk for s in batch.groups[b]]
+                mb_adv = adv[chunk].reshape(-1)  # (N,)
                 mb_student = torch.tensor([s.student for s in mb], device=cfg.model.device)  # (N,)
+                # proj.train_deploy: the deployed view's groups train with the quarantine zeroed
+                deployed = batch.view(chunk[0]) == "deploy"
+                view = knobs.ablate_quarantine() if deployed else contextlib.nullcontext()
                 seqs = score.pack([s.prompt_ids for s in mb], [s.completion_ids for s in mb],
                                   tok.pad_token_id, mb_student).to(cfg.model.device)
                 mask = seqs.completion_mask  # (N, T)
@@ -124,7 +126,7 @@ def train(cfg: C.Config) -> dict:
                     with torch.inference_mode(), knobs.zeroed():  # the free reference: knobs zeroed = base
                         logp_ref, _ = score.logprobs(model, seqs, temperature=cfg.rollout.temperature)
                     logp_ref = logp_ref.clone()  # an ordinary tensor: the KL term's autograd may save it
-                with knobs.capture(mb_student) as cap:  # per-source knob grads from this one backward
+                with view, knobs.capture(mb_student) as cap:  # per-source knob grads from this one backward
                     logp, entropy = score.logprobs(model, seqs, temperature=cfg.rollout.temperature,
                                                    with_entropy=True, capture=cap)  # (N, T) each
                     logp_old, weight, t_stats = TEACHER_MODES[cfg.loss.teacher](
@@ -168,13 +170,14 @@ def train(cfg: C.Config) -> dict:
             if cfg.proj.purge_moments and cfg.proj.arm != "none":  # Adam bypass: drop hack-ward momentum
                 stats |= projection.purge_moments(opt, knobs, V_hack, "no_gate" if cfg.proj.gate == "no_gate"
                                                   else "one_sided")
-            before = projection.snapshot(knobs)
+            before, before_hack = projection.snapshot(knobs), projection.snapshot(knobs, "hack")
             for group in opt.param_groups:
                 group["lr"] = lr(step)
             if keep:  # every group zero-variance: no signal, no step (Adam's momentum alone would still move)
                 opt.step()
             stats |= projection.project_update(knobs, before, V_hack, update_arm,
                                                cfg.proj.gate, cfg.proj.overshoot, cfg.proj.preserve_magnitude)
+            stats |= projection.step_norms(knobs, before, before_hack)
 
             # --- optional: online V refresh and a greedy eval of the deployed model (quarantine zeroed) ---
             extra: dict = {}

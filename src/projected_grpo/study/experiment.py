@@ -50,8 +50,19 @@ ARMS: dict[str, dict[str, dict]] = {
     # <run>/dpo, then GRPO from its knobs, in the same `train` process (run/dpo.py pass_before)
     "ppo": {"proj": {"arm": "none", "control": "none"}, "loss": {"algo": "ppo"}},
     "dpo_then_grpo": {"proj": {"arm": "none", "control": "none"}, "dpo": {"before": True}},
+    # route repair (issue 14): route the AdamW update's hack-ward part (project_update), so the quarantine
+    # moves by exactly what was removed, not by Adam's per-coordinate normalisation of a tiny gradient
+    "route_update": {"proj": {"arm": "route", "control": "none", "target": "update"}},
+    # route repair (issue 14): the deployed view's samples (quarantine zeroed) train the main knob too, so
+    # the deployed model trains on its own samples and not only on those drawn with the quarantine on
+    "route_deploy": {"proj": {"arm": "route", "control": "none", "train_deploy": True}},
+    "route_update_deploy": {"proj": {"arm": "route", "control": "none", "target": "update",
+                                     "train_deploy": True}},
 }
-DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route")
+# `<arm>@random`: projection arm `<arm>` with a random V (direction.CONTROLS), every other setting the same:
+# the negative control the report compares the real V with ("real V vs random V"); random_V = erase@random
+RANDOM_TWIN = "@random"
+DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "gt_reward")
 # demo --task -> (preset, arms): math trains honestly (strict verifier), so one arm, no projection
 DEMO_TASKS: dict[str, tuple[str, tuple[str, ...]]] = {"code": ("demo", DEMO_ARMS),
                                                       "math": ("math-demo", ("none",))}
@@ -76,26 +87,50 @@ class Run:
         return pathlib.Path(self.cfg.run.dir)
 
 
+def arm_sections(arm: str) -> dict[str, dict] | None:
+    """The config changes of `arm`: ARMS[arm], or for `<a>@random` those of projection arm `<a>` with
+    proj.control = random; None for an unknown arm."""
+    if arm in ARMS:
+        return {s: dict(kw) for s, kw in ARMS[arm].items()}
+    name = arm.removesuffix(RANDOM_TWIN)
+    if name == arm or name not in ARMS or ARMS[name]["proj"]["arm"] == "none" \
+            or ARMS[name]["proj"]["control"] != "none":
+        return None
+    sections = {s: dict(kw) for s, kw in ARMS[name].items()}
+    sections["proj"]["control"] = "random"
+    return sections
+
+
+def random_twins(arms: Sequence[str]) -> dict[str, str]:
+    """arm -> its random-V twin among `arms` (`<arm>@random`; for erase also random_V)."""
+    out = {a: a + RANDOM_TWIN for a in arms if a + RANDOM_TWIN in arms}
+    if "erase" in arms and "erase" not in out and "random_V" in arms:
+        out["erase"] = "random_V"
+    return out
+
+
 def describe_arm(arm: str) -> str:
     """'proj.arm=erase, proj.control=random' for report.md."""
-    return ", ".join(f"{s}.{k}={v}" for s, kw in ARMS[arm].items() for k, v in kw.items())
+    return ", ".join(f"{s}.{k}={v}" for s, kw in (arm_sections(arm) or {}).items() for k, v in kw.items())
 
 
 def plan(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: pathlib.Path) -> list[Run]:
-    """One Run per (arm, seed): `ARMS[arm]` on top of `base`, run dir `out/<arm>-s<seed>`."""
-    unknown = [a for a in arms if a not in ARMS]
+    """One Run per (arm, seed): the arm's changes (arm_sections) on top of `base`, run dir
+    `out/<arm>-s<seed>`."""
+    unknown = [a for a in arms if arm_sections(a) is None]
     if unknown or not arms:
-        raise UserError(f"arms {list(arms)}: unknown {unknown}; known: {list(ARMS)}")
+        raise UserError(f"arms {list(arms)}: unknown {unknown}; known: {list(ARMS)}, or `<arm>{RANDOM_TWIN}` "
+                        "for a projection arm (its random-V twin)")
     if len(set(arms)) != len(arms) or len(set(seeds)) != len(seeds) or not seeds:
         raise UserError(f"arms {list(arms)} and seeds {list(seeds)} must be non-empty and without repeats")
-    controls = {ARMS[a]["proj"]["control"] for a in arms}
+    controls = {arm_sections(a)["proj"]["control"] for a in arms}
     if base.proj.v_path and len(controls) > 1:
         raise UserError(f"proj.v_path={base.proj.v_path!r} is one file, but arms {list(arms)} need V_hack "
                          f"with controls {sorted(controls)}; drop --proj.v-path (cached per control)")
     runs = []
     for arm in arms:
         for seed in seeds:
-            sections = {s: dict(kw) for s, kw in ARMS[arm].items()}
+            sections = arm_sections(arm)
             sections["run"] = {"seed": seed, "dir": str(out / f"{arm}-s{seed}"), "resume": False}
             runs.append(Run(arm, seed, C.replace(base, **sections)))
     return runs
@@ -248,7 +283,8 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
             f", leave out {lomo}" if lomo else ""),
         config_diff=C.diff(presets.PRESETS[preset], user_base),
         arm_overrides={a: describe_arm(a) for a in arms},
-        command=command, elapsed_s=time.perf_counter() - t0, notes=notes, eval_start=eval_start)
+        command=command, elapsed_s=time.perf_counter() - t0, notes=notes, eval_start=eval_start,
+        twins=random_twins(arms), held_out=lomo)
     return printed
 
 
@@ -261,7 +297,8 @@ class ExperimentOpts(presets.Base):
 
     arms: str = "none,erase,route"
     """comma-separated arms (experiment.ARMS): none, erase, route, random_V, shuffled_V, nonhack_V,
-    gt_penalty, gt_reward, no_pool, ppo, dpo_then_grpo"""
+    gt_penalty, gt_reward, no_pool, ppo, dpo_then_grpo, route_update, ...; `<arm>@random` is a projection
+    arm with a random V"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
     out: str = ""
@@ -280,20 +317,21 @@ class ExperimentOpts(presets.Base):
 
 @dataclass(frozen=True)
 class DemoOpts:
-    """The embedded demo: organism, teacher pool, V_hack, then arms none, erase, route with the `demo`
-    preset; prints the results table and writes report.md and curves.png under --out. `--task math`: the
-    maths organism trained honestly (strict verifier, arithmetic curriculum) with the `math-demo` preset,
-    arm none; report.md adds held-out accuracy against step (eval.png)."""
+    """The embedded demo: organism, teacher pool, V_hack, then arms none, erase, route, random_V (erase with a
+    random V) and gt_reward (the positive control) with the `demo` preset; prints the results table and
+    verdicts and writes report.md and curves.png under --out. `--task math`: the maths organism trained
+    honestly (strict verifier, arithmetic curriculum) with the `math-demo` preset, arm none; report.md adds
+    held-out accuracy against step (eval.png)."""
 
     task: Literal["code", "math"] = "code"
-    """code: the loophole demo (arms none, erase, route); math: honest GRPO on arithmetic, held-out
-    accuracy against step"""
+    """code: the loophole demo (arms none, erase, route, random_V, gt_reward); math: honest GRPO on
+    arithmetic, held-out accuracy against step"""
     out: str = ""
     """sweep directory (empty = runs/demo-<time>)"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
-    jobs: int = 1
-    """runs trained at once (each in its own process)"""
+    jobs: int = 2
+    """runs trained at once (each in its own process, one torch thread each: 2 fills a 2-core machine)"""
 
 
 # set per run by the sweep (--arms, --seeds, --out), so refused as base-config options
@@ -329,7 +367,7 @@ def demo_main(argv: list[str]) -> int:
     preset, arms = DEMO_TASKS[opts.task]
     out = opts.out or f"runs/demo-{'' if opts.task == 'code' else 'math-'}{time.strftime('%Y%m%d-%H%M%S')}"
     command = shlex.join(["projected-grpo", "demo", *(["--task", opts.task] if opts.task != "code" else []),
-                          "--out", out, "--seeds", str(opts.seeds)])
+                          "--out", out, "--seeds", str(opts.seeds), "--jobs", str(opts.jobs)])
     print(sweep(presets.PRESETS[preset], arms, list(range(opts.seeds)), out, preset=preset,
                 command=command, title=f"{preset} preset: {', '.join(arms)} x {opts.seeds} seed(s)",
                 jobs=opts.jobs))
