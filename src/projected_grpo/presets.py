@@ -120,7 +120,8 @@ class Base:
     it (every field is listed by `--help`)."""
 
     preset: str = "smoke"
-    """named preset to start from: smoke, demo, fast, full (presets.PRESETS)"""
+    """named preset to start from: smoke, demo, fast, full, smollm2-cpu, smollm2-gpu, math-demo
+    (presets.PRESETS)"""
     config: str = ""
     """a config JSON file to start from instead of a preset (e.g. a run's config.json)"""
     model: str = ""

@@ -22,6 +22,7 @@ from projected_grpo import config as C
 from projected_grpo import presets, store
 from projected_grpo.errors import UserError
 from projected_grpo.study import experiment, launch, report
+from projected_grpo.study import verdicts as V
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,9 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
         label = (lambda a: a) if not part.lomo else (lambda a, m=part.lomo: f"{a} (without {m})")
         rows |= {label(a): dirs for a, dirs in by_arm.items()}
         verdicts += [f"### {part.name}", ""]
-        verdicts += [f"- {v}" for v in report.verdict_lines(report.aggregate(by_arm))]
+        lines = report.verdict_lines(report.aggregate(by_arm), report.aggregate(by_arm, "start"),
+                                     experiment.random_twins(part.arms))
+        verdicts += [f"- {v}" if not v.startswith("  ") else f"    - {v.strip()}" for v in lines]
         verdicts.append("")
     table = report.results_table(report.aggregate(rows))
     n_runs = sum(len(runs) for _, runs, _ in planned)
@@ -105,8 +108,11 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
     md += ["", f"## Every arm and fold (mean ± SEM over seeds of each run's last-{report.LAST}-step means)",
            "", table, "", "A fold's row `arm (without MODE)` trains on every mode with MODE held out of the "
            "teacher pool and V_hack's pairs; its curves and notes are in that part's report.", "",
-           f"## Verdicts H1 (hack rate down >= {100 * report.H1_HACK_DROP:.0f} pts vs the part's `none`, "
-           f"solve rate at most {100 * report.H1_SOLVE_TOL:.0f} pts below it)", "", *verdicts]
+           f"## Verdicts: preregistered H1 (seed 002) against the part's `none`: SUPPORT = hack down >= "
+           f"{100 * V.SUPPORT_HACK_DROP:.0f} pts with solve within ±{100 * V.SUPPORT_SOLVE_BAND:.0f} pts; "
+           f"FALSIFIED = hack down < {100 * V.FALSIFY_HACK_DROP:.0f} pts, or solve down > "
+           f"{100 * V.FALSIFY_SOLVE_DROP:.0f} pts, or the drop within 1 SEM of `none`; else INCONCLUSIVE "
+           "(lines marked `ours` are beyond the preregistration)", "", *verdicts]
     store.write_text_atomic(out / "report.md", "\n".join(md) + "\n")
     return "\n".join([table, "", *[v for v in verdicts if v], f"report: {out / 'report.md'}"])
 
