@@ -38,7 +38,10 @@ def test_verdict_lines_show_ours_and_real_vs_random(tmp_path):
     lines = report.verdict_lines(agg, start)
     text = "\n".join(lines)
     # erase: hack 0.25 +- 0.05 vs none 0.6 (35 down), solve +5: support; vs gt_reward 0.55: -20 pts
-    assert lines[0] == "erase: SUPPORT (preregistered H1: hack -35.0 pts, solve +5.0 pts)"
+    # gt_reward's solve is flat (start = end): the positive control failed, and the report says so first
+    assert lines[0].startswith("positive control gt_reward: FAILED (solve +0.0 pts from its start (0.550 -> "
+                               "0.550), target +15): honest training does not raise solving")
+    assert lines[1] == "erase: SUPPORT (preregistered H1: hack -35.0 pts, solve +5.0 pts)"
     assert "ours: capability lost (vs gt_reward: solve -20.0 pts" in text
     assert "ours: real V beats random V: hack -30.0 pts vs random_V (combined SEM 5.0 pts)" in text
     assert "goal (H1 support, solve within 10 pts of gt_reward, beats random V): not met: solve -20.0" in text

@@ -121,3 +121,13 @@ def test_mean_sem_hand_computed():
     # SEM = sqrt(0.13) / sqrt(3) = 0.360555 / 1.732051 = 0.208167
     s = V.mean_sem([0.2, 0.4, 0.9])
     assert s.mean == pytest.approx(0.5) and s.sem == pytest.approx(0.208167, abs=1e-6) and s.n == 3
+
+
+def test_positive_control_needs_gt_reward_solve_up_15_from_its_start():
+    start = arm(0.09, 0.41, sem=0.01)
+    # solve 0.41 -> 0.13: -28 pts (the demo preset at lr 0.1 measured about this): failed
+    ok, why = V.positive_control(arm(0.0, 0.13, sem=0.05), start)
+    assert not ok and "-28.0 pts" in why and "target +15" in why
+    # 0.41 -> 0.56: exactly +15 pts: ok (inclusive bound); 0.41 -> 0.55: +14: not
+    assert V.positive_control(arm(0.0, 0.56), start)[0]
+    assert not V.positive_control(arm(0.0, 0.55), start)[0]

@@ -166,6 +166,11 @@ def verdict_lines(agg: Mapping[str, Mapping[str, Stat]],
     twins = twins_in(list(agg), twins if twins is not None else {"erase": "random_V"})
     gt = agg.get(POSITIVE)
     lines = []
+    if gt is not None and start is not None and POSITIVE in start:
+        ok, why = V.positive_control(gt, start[POSITIVE])
+        lines.append(f"positive control {POSITIVE}: {'OK' if ok else 'FAILED'} ({why})" + (
+            "" if ok else ": honest training does not raise solving in this budget, so no arm's capability "
+            "can be judged against it and a low hack rate may be a broken model"))
     for arm, p in verdicts(agg).items():
         lines.append(f"{arm}: {p.word.upper()} (preregistered H1: {p.why})")
         if start is None or arm not in start:
