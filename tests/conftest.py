@@ -16,6 +16,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = pathlib.Path(os.environ.get("PROJECTED_GRPO_SHARED_DATA") or REPO.parent / "shared" / "data")
 
 
+# the user's cache root as it is before the session's own replaces it: where `projected-grpo get-model` put
+# the converted real models, read (never written) by the real-model tests
+USER_CACHE = pathlib.Path(os.environ.get("PROJECTED_GRPO_CACHE")
+                          or pathlib.Path.home() / ".cache" / "projected_grpo")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
@@ -23,6 +29,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def smollm2_dir() -> pathlib.Path:
+    """SmolLM2-135M-Instruct as `projected-grpo get-model smollm2` converted it into the user's cache (or
+    converted now into the session's cache where the source package is installed); skips otherwise."""
+    from projected_grpo import models
+    from projected_grpo.errors import UserError
+
+    converted = USER_CACHE / models.MODELS_DIR / "smollm2"
+    if (converted / models.SOURCE_FILE).is_file():  # complete on its own; read only
+        return converted
+    try:
+        return models.get_model("smollm2", install=False, log=lambda _: None)
+    except UserError as e:
+        pytest.skip(f"SmolLM2 not available ({e}); `projected-grpo get-model smollm2` installs it")
 
 
 @pytest.fixture

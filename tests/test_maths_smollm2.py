@@ -13,20 +13,15 @@ import math
 
 import pytest
 
-from projected_grpo.errors import UserError
 from projected_grpo.run import metrics
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_smollm2_grpo_steps_on_gsm8k(shared_data, tmp_path, monkeypatch):
-    models = pytest.importorskip("projected_grpo.models", reason="get-model (models.py) not on this branch")
+def test_smollm2_grpo_steps_on_gsm8k(shared_data, smollm2_dir, tmp_path, monkeypatch):
     from projected_grpo.cli import main
 
-    try:  # converted into the session's cache from the installed package; never installs here
-        model_dir = models.get_model("smollm2", install=False, log=lambda _: None)
-    except UserError as e:
-        pytest.skip(f"SmolLM2 not available ({e}); `projected-grpo get-model smollm2` installs it")
+    model_dir = smollm2_dir
     monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))  # SVDs and V_hack: this test's own
     run_dir = tmp_path / "run"
     argv = ["train", "--model", str(model_dir), "--run-dir", str(run_dir),

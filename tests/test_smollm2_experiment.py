@@ -13,20 +13,15 @@ import time
 
 import pytest
 
-from projected_grpo import models
 from projected_grpo.cli import main
-from projected_grpo.errors import UserError
 from projected_grpo.run import metrics
 from projected_grpo.store import read_jsonl
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_smollm2_teacher_pool_v_hack_and_two_arms_end_to_end(tmp_path, monkeypatch, capsys):
-    try:  # converted into the user's cache from the installed package; never installs here
-        model_dir = models.get_model("smollm2", install=False, log=lambda _: None)
-    except UserError as e:
-        pytest.skip(f"SmolLM2 not available ({e}); `projected-grpo get-model smollm2` installs it")
+def test_smollm2_teacher_pool_v_hack_and_two_arms_end_to_end(smollm2_dir, tmp_path, monkeypatch, capsys):
+    model_dir = smollm2_dir
     monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))  # SVDs and V_hack: this test's own
     common = ["--preset", "smollm2-cpu", "--model", str(model_dir), "--rollout.max-new-tokens", "64"]
 
