@@ -221,7 +221,6 @@ def plot_curves(data: Mapping[str, Mapping[str, tuple[list[int], list[Stat]]]], 
     Agg canvas)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(15, 4.4), layout="constrained")
     FigureCanvasAgg(fig)
@@ -234,13 +233,27 @@ def plot_curves(data: Mapping[str, Mapping[str, tuple[list[int], list[Stat]]]], 
                 steps, stats = raw[arm][key]
                 ax.plot(steps, [s.mean for s in stats], color=color, alpha=0.25, linewidth=0.8)
             steps, stats = data[arm][key]
-            mean = [s.mean for s in stats]
-            ax.plot(steps, mean, color=color, linestyle=dash, label=arm, linewidth=width)
-            if stats and all(s.sem is not None for s in stats):
-                ax.fill_between(steps, [m - s.sem for m, s in zip(mean, stats)],
-                                [m + s.sem for m, s in zip(mean, stats)], color=color, alpha=0.2, linewidth=0)
-    for ax, (_, label) in zip(axes, PANELS):
-        ax.set_xlabel("optimizer step")
+            _line(ax, steps, stats, color=color, linestyle=dash, label=arm, linewidth=width)
+    return _finish(fig, axes, PANELS, "optimizer step", data, title, path)
+
+
+def _line(ax, xs: Sequence[int], stats: Sequence[Stat], **style) -> None:
+    """One arm's seed-mean line, with a ± SEM band when every point has one (>= 2 seeds)."""
+    mean = [s.mean for s in stats]
+    ax.plot(xs, mean, **style)
+    if stats and all(s.sem is not None for s in stats):
+        lo, hi = [m - s.sem for m, s in zip(mean, stats)], [m + s.sem for m, s in zip(mean, stats)]
+        ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.2, linewidth=0)
+
+
+def _finish(fig, axes, panels: Sequence[tuple[str, str]], xlabel: str,
+            data: Mapping[str, Mapping[str, tuple[list[int], list[Stat]]]], title: str,
+            path: str | os.PathLike):
+    """Axis labels and limits per panel, the legend, the title; the figure written atomically as PNG."""
+    from matplotlib.ticker import MaxNLocator
+
+    for ax, (_, label) in zip(axes, panels):
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
         ax.set_ylim(-0.03, 1.03)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -340,7 +353,6 @@ def plot_eval_curves(data: Mapping[str, Mapping[str, tuple[list[int], list[Stat]
     model's eval, 0 steps done) when given. Written atomically as PNG; returns the Figure."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(fig)
@@ -352,24 +364,9 @@ def plot_eval_curves(data: Mapping[str, Mapping[str, tuple[list[int], list[Stat]
             xs, stats = [s + 1 for s in steps], list(stats)
             if first is not None:
                 xs, stats = [0, *xs], [first, *stats]
-            mean = [s.mean for s in stats]
-            ax.plot(xs, mean, color=color, linestyle=dash, label=arm, linewidth=width, marker="o",
-                    markersize=3)
-            if stats and all(s.sem is not None for s in stats):
-                ax.fill_between(xs, [m - s.sem for m, s in zip(mean, stats)],
-                                [m + s.sem for m, s in zip(mean, stats)], color=color, alpha=0.2, linewidth=0)
-    for ax, (_, label) in zip(axes, EVAL_PANELS):
-        ax.set_xlabel("optimizer steps done (0 = the starting model)")
-        ax.set_ylabel(label)
-        ax.set_ylim(-0.03, 1.03)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    n_seeds = max((s.n for arm in data.values() for _, st in arm.values() for s in st), default=0)
-    axes[0].legend(title="arm" + (" (mean ± SEM)" if n_seeds > 1 else ""), loc="best")
-    fig.suptitle(title)
-    with atomic_path(path, ".png") as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    return fig
+            _line(ax, xs, stats, color=color, linestyle=dash, label=arm, linewidth=width, marker="o",
+                  markersize=3)
+    return _finish(fig, axes, EVAL_PANELS, "optimizer steps done (0 = the starting model)", data, title, path)
 
 
 def run_seed(run_dir: str | os.PathLike) -> int:
