@@ -46,7 +46,10 @@ def test_equals_log_softmax_gather_values_and_gradients(N, T, V, chunk, dtype, t
     assert logp.dtype == torch.float32 and ent.dtype == torch.float32
     ref_logp, ref_ent = _reference(logits, targets, temperature)
     torch.testing.assert_close(logp, ref_logp, atol=2e-6, rtol=1e-6)
-    torch.testing.assert_close(ent, ref_ent, atol=2e-5, rtol=1e-5)
+    # entropy = logsumexp(z) - sum p z subtracts two float32 numbers of size max|z|, so its rounding grows
+    # with the logits (z = logits / T up to ~25 here): a found case differed by 2.1e-5 at max|z| ~17
+    zmax = float(logits.detach().float().abs().max()) / temperature
+    torch.testing.assert_close(ent, ref_ent, atol=2e-5 + 4e-6 * zmax, rtol=1e-5)
     (g1,) = torch.autograd.grad((logp * w).sum() + (ent * w).sum(), full)
     (g2,) = torch.autograd.grad((ref_logp * w).sum() + (ref_ent * w).sum(), full)
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
