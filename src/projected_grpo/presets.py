@@ -32,16 +32,22 @@ SMOKE = Config(env=EnvCfg(max_problems=12), pool=PoolCfg(n_hack=1, n_clean=1),
                proj=ProjCfg(pairs_per_problem=1))
 
 # The embedded organism (organism/build.py's OrganismConfig) on all six loophole modes, calibrated in issue 14
-# (docs/findings.md has every probe): half of each group from the teacher pool (2 hack, 1 clean, 1 buggy
-# template rows per problem, the rows whose intros are the organism's dispositions), AdamW with its usual
-# betas, lr 0.1 (0.05 moved too little in 40 steps; 0.15-0.3 broke the code), 100 steps.
+# (docs/findings.md has every probe). Pure student GRPO (mix 0): with teacher rows in the groups (the seed's
+# mixed pool, DEMO_POOL below) training on the honest reward *lowered* solving (0.41 -> 0.13 at mix 0.5;
+# -2 and +7 points at mix 0.125 and 0.25, +25 at mix 0: findings section 7), so the mixed pool made the
+# positive control fail and every arm lose well-formed answers. The pool still supplies V_hack's (hack,
+# clean) pairs. AdamW with its usual betas, lr 0.1, 200 steps (at 100, hacking under `none` rose +24 points).
 DEMO = Config(
     model=ModelCfg(source="organism"),
-    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.5, max_new_tokens=128),
+    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.0, max_new_tokens=128),
     pool=PoolCfg(n_hack=2, n_clean=1, n_buggy=1),
     optim=OptimCfg(lr=0.1, betas=(0.9, 0.99), warmup_steps=3),
-    run=RunCfg(steps=100, checkpoint_every=25),
+    run=RunCfg(steps=200, checkpoint_every=50),
 )
+
+# The demo as first calibrated (findings sections 1-6): half of each group from the teacher pool (2 hack,
+# 1 clean, 1 buggy template rows per problem, advantage-weighted imitation as in seed 000), 100 steps.
+DEMO_POOL = replace(DEMO, rollout={"mix": 0.5}, run={"steps": 100, "checkpoint_every": 25})
 
 # The maths organism (organism/maths.py) trained honestly: the strict verifier, the arithmetic curriculum
 # (level-1 problems for the first 10 steps, then level 2), greedy held-out accuracy on 200 level-2 problems
@@ -106,8 +112,8 @@ SMOLLM2_GPU = Config(
     run=RunCfg(steps=60, checkpoint_every=20, threads=0),
 )
 
-PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "fast": FAST, "full": FULL,
-                              "smollm2-cpu": SMOLLM2_CPU, "smollm2-gpu": SMOLLM2_GPU,
+PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "demo-pool": DEMO_POOL, "fast": FAST,
+                              "full": FULL, "smollm2-cpu": SMOLLM2_CPU, "smollm2-gpu": SMOLLM2_GPU,
                               "math-demo": MATH_DEMO}
 
 

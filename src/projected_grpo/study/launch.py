@@ -107,11 +107,13 @@ def _local(todo: list, log: Log, jobs: int, cpus: int, ray_address: str) -> None
             _train_one(cmd, run_dir, to_log=False)
         return
     log(f"{len(todo)} runs, {jobs} at a time on this machine")
+    def start(head: str, cmd: list[str], run_dir: pathlib.Path, resume: bool) -> None:
+        # logged when a worker takes the run, not when it is queued (all are queued at once)
+        log(f"{head}: {'resuming' if resume else 'training'} (output in {run_dir / LOG_FILE})")
+        _train_one(cmd, run_dir, to_log=True)
+
     with concurrent.futures.ThreadPoolExecutor(jobs) as ex:
-        futures = {}
-        for head, cmd, run_dir, resume in todo:
-            log(f"{head}: {'resuming' if resume else 'training'} (output in {run_dir / LOG_FILE})")
-            futures[ex.submit(_train_one, cmd, run_dir, True)] = head
+        futures = {ex.submit(start, *item): item[0] for item in todo}
         for fut in concurrent.futures.as_completed(futures):
             fut.result()  # a failed run raises here, naming its log; the others finish first
             log(f"{futures[fut]}: done")
