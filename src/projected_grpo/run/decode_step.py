@@ -184,7 +184,8 @@ def lean_step(model, past: DynamicCache, mask: Tensor) -> Step | None:
 
     def step(tok: Tensor, pos: Tensor, n: int) -> Tensor:
         N = tok.shape[0]
-        m = None if full_mask is None else full_mask[..., :n]  # (N, 1, 1, n)
+        # (N, 1, 1, n), contiguous as HF's: on CUDA a strided mask can steer sdpa to another kernel
+        m = None if full_mask is None else full_mask[..., :n].contiguous()
         x = embed(tok[:, None])  # (N, 1, E)
         cos, sin = rotary(x, pos)  # (N, 1, D): the model's own module, any rope type
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, 1, D), as apply_rotary_pos_emb unsqueezes
