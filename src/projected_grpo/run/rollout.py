@@ -9,7 +9,8 @@ through the environment): students, the deployed view, evals, teacher pools and 
 it, and its `Sample` is the one record of a completion in a group (teacher pool rows become Samples too).
 `forward_logprobs` is the packed scoring forward (the training step's when rollout.share_prefix is off;
 prefix.py shares each group's prompt otherwise). `step_seed` derives sampling seeds from
-(base_seed, step, ...) stably across processes. The decode's KV caches are in kv_cache.py.
+(base_seed, step, ...) stably across processes. The decode's KV caches are in kv_cache.py, its
+per-token step (a lean one for Llama/Qwen2, else the HF forward) in decode_step.py.
 
 Not here: the grading itself (envs/), advantages, the teacher pool's storage (pool.py), any optimisation.
 """
