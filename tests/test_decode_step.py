@@ -181,7 +181,7 @@ def _unsupported():
     compiled.model.layers[1].compile()  # inductor rounds differently: the lean step must not stand in
     return {"gpt2": (gpt2.eval(), "preallocated", "GPT2LMHeadModel is not one of"),
             "sliding": (sliding.eval(), "preallocated", "only full_attention"),
-            "subclass": (sub.eval(), "preallocated", "_MyLlama is not one of"),
+            "subclass": (sub.eval(), "preallocated", "not a transformers model class"),
             "hooked": (hooked.eval(), "preallocated", "hooks"),
             "dropout": (dropout.train(), "preallocated", "dropout"),
             "compiled": (compiled.eval(), None, "compiled"),  # None: never run (compiling is slow)

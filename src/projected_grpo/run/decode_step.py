@@ -14,33 +14,42 @@ embedding, the activation and the rotary embedding are called as the model's own
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from transformers.cache_utils import DynamicCache
-from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama import modeling_llama as llama
-from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
 from projected_grpo.run.kv_cache import _GrowingLayer
 
 # tok (N,) long, pos (N, 1) its positions, n = the cache length after tok -> logits (N, V) of the next token
 Step = Callable[[Tensor, Tensor, int], Tensor]
 
-# The allow-list: model class -> the exact classes its backbone, layers and their parts must be. The lean step
-# replicates these classes' forwards; a subclass may override one, so an exact type match is required.
-ARCHS: dict[type, tuple[type, ...]] = {
-    llama.LlamaForCausalLM: (llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention, llama.LlamaMLP,
-                             llama.LlamaRMSNorm),
-    qwen2.Qwen2ForCausalLM: (qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention, qwen2.Qwen2MLP,
-                             qwen2.Qwen2RMSNorm),
-}
-# attention implementation -> (the stock attention function and mask builder the lean step replicates)
-STOCK = {"sdpa": (sdpa_attention_forward, sdpa_mask), "eager": (None, eager_mask)}
+
+
+@functools.cache
+def _allow_list() -> tuple[dict[type, tuple[type, ...]], dict[str, tuple]]:
+    """(ARCHS, STOCK), imported on first use: transformers' modelling modules take ~1.3 s to import, which
+    `import rollout` should not pay (a model built by transformers has imported them already).
+
+    ARCHS: model class -> the exact classes its backbone, layers and their parts must be. The lean step
+    replicates these classes' forwards; a subclass may override one, so an exact type match is required.
+    STOCK: attention implementation -> (the stock attention function, mask builder) the lean step replicates.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import eager_mask, sdpa_mask
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+    archs = {
+        llama.LlamaForCausalLM: (llama.LlamaModel, llama.LlamaDecoderLayer, llama.LlamaAttention,
+                                 llama.LlamaMLP, llama.LlamaRMSNorm),
+        qwen2.Qwen2ForCausalLM: (qwen2.Qwen2Model, qwen2.Qwen2DecoderLayer, qwen2.Qwen2Attention,
+                                 qwen2.Qwen2MLP, qwen2.Qwen2RMSNorm),
+    }
+    return archs, {"sdpa": (sdpa_attention_forward, sdpa_mask), "eager": (None, eager_mask)}
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -55,14 +64,21 @@ def why_not_lean(model, past) -> str | None:
 
     Every check is against the model's classes and config fields the lean step would otherwise silently
     assume; anything not on the allow-list falls back to the HF call."""
-    arch = ARCHS.get(type(model))
+    cls = type(model)
+    if not cls.__module__.startswith("transformers.models."):  # checked first: spares the imports below
+        return f"{cls.__name__} (from {cls.__module__}) is not a transformers model class"
+    archs, stock = _allow_list()
+    arch = archs.get(cls)
     if arch is None:
-        return f"{type(model).__name__} is not one of {sorted(c.__name__ for c in ARCHS)}"
+        return f"{cls.__name__} is not one of {sorted(c.__name__ for c in archs)}"
     config = model.config
     impl = getattr(config, "_attn_implementation", None)
-    if impl not in STOCK:
-        return f"attention implementation {impl!r} is not one of {sorted(STOCK)}"
-    attend, mask_fn = STOCK[impl]
+    if impl not in stock:
+        return f"attention implementation {impl!r} is not one of {sorted(stock)}"
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    attend, mask_fn = stock[impl]
     if (ALL_ATTENTION_FUNCTIONS.get_interface(impl, None) is not attend
             or ALL_MASK_ATTENTION_FUNCTIONS[impl] is not mask_fn):
         return f"the {impl!r} attention or mask function is overridden (AttentionInterface.register)"
@@ -113,6 +129,8 @@ def _sdpa_attend(attn: nn.Module, mask: Tensor | None, k_buf: Tensor, v_buf: Ten
     """integrations/sdpa_attention.sdpa_attention_forward for q_len 1, its branches taken once here.
 
     q (N, H, 1, D), k / v (N, Hkv, L, D), mask (N, 1, 1, L) bool or None -> (N, 1, H * D)."""
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
     groups, scale = attn.num_key_value_groups, attn.scaling
     # HF: GQA heads via sdpa's enable_gqa when no mask (and env / device allow), else q packed as
     # (N, Hkv, groups, D) against the shared keys: pack_gqa at q_len 1 (a (N, 1, 1, L) mask is unchanged)
@@ -135,10 +153,12 @@ def _sdpa_attend(attn: nn.Module, mask: Tensor | None, k_buf: Tensor, v_buf: Ten
 def _eager_attend(attn: nn.Module, mask: Tensor | None, k_buf: Tensor, v_buf: Tensor):
     """modeling_llama.eager_attention_forward: q (N, H, 1, D), k / v (N, Hkv, L, D), mask (N, 1, 1, L)
     additive (0 / dtype min; eager_mask always materialises it) -> (N, 1, H * D)."""
+    from transformers.models.llama.modeling_llama import repeat_kv
+
     groups, scale = attn.num_key_value_groups, attn.scaling
 
     def attend(q: Tensor, k: Tensor, v: Tensor, m: Tensor) -> Tensor:
-        k, v = llama.repeat_kv(k, groups), llama.repeat_kv(v, groups)
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         w = torch.matmul(q, k.transpose(2, 3)) * scale + m
         w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(w, v).transpose(1, 2).contiguous()
