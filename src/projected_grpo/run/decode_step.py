@@ -28,15 +28,14 @@ from projected_grpo.run.kv_cache import _GrowingLayer
 Step = Callable[[Tensor, Tensor, int], Tensor]
 
 
-
 @functools.cache
 def _allow_list() -> tuple[dict[type, tuple[type, ...]], dict[str, tuple]]:
-    """(ARCHS, STOCK), imported on first use: transformers' modelling modules take ~1.3 s to import, which
+    """(archs, stock), imported on first use: transformers' modelling modules take ~1.3 s to import, which
     `import rollout` should not pay (a model built by transformers has imported them already).
 
-    ARCHS: model class -> the exact classes its backbone, layers and their parts must be. The lean step
+    archs: model class -> the exact classes its backbone, layers and their parts must be. The lean step
     replicates these classes' forwards; a subclass may override one, so an exact type match is required.
-    STOCK: attention implementation -> (the stock attention function, mask builder) the lean step replicates.
+    stock: attention implementation -> (the stock attention function, mask builder) the lean step replicates.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import eager_mask, sdpa_mask
