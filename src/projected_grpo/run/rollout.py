@@ -9,7 +9,8 @@ through the environment): students, the deployed view, evals, teacher pools and 
 it, and its `Sample` is the one record of a completion in a group (teacher pool rows become Samples too).
 `forward_logprobs` is the packed scoring forward (the training step's when rollout.share_prefix is off;
 prefix.py shares each group's prompt otherwise). `step_seed` derives sampling seeds from
-(base_seed, step, ...) stably across processes. The decode's KV caches are in kv_cache.py.
+(base_seed, step, ...) stably across processes. The decode's KV caches are in kv_cache.py, its
+per-token step (a lean one for Llama/Qwen2, else the HF forward) in decode_step.py.
 
 Not here: the grading itself (envs/), advantages, the teacher pool's storage (pool.py), any optimisation.
 """
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from projected_grpo.envs.base import Graded
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
+from projected_grpo.run.decode_step import decode_step
 from projected_grpo.run.kv_cache import KV_CACHES
 
 # --- token ids ---------------------------------------------------------------------------------
@@ -232,7 +234,7 @@ def _accepts_logits_to_keep(model) -> bool:
 def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, seed: int | Sequence[int],
              eos_id: int | Sequence[int], pad_id: int, kv_cache: str = "preallocated",
-             share_prefill: bool = False) -> Rollout:
+             share_prefill: bool = False, lean: bool = True) -> Rollout:
     """Sample n_samples completions for every prompt in ONE batched KV-cache decode.
 
     Prompts are left-padded with an attention mask and explicit position ids, so a row's logits do
@@ -250,6 +252,8 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     share_prefill: run each prompt's prefill once and copy its KV cache and last logits to its n_samples
     rows (instead of n_samples identical prefills): the same distributions, but the prefill's other batch
     shape rounds differently in the last bits, so the sampled stream is not the unshared one bit for bit.
+    lean: after the HF prefill, decode with decode_step.lean_step where the model is on its allow-list (the
+    same logits bit for bit, less Python per token); False forces the HF forward per token (tests, A/B).
     Returns a Rollout with N = len(prompt_ids) * n_samples rows.
     """
     if n_samples < 1 or max_new_tokens < 1:
@@ -302,6 +306,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
             out = model(input_ids=ids, attention_mask=mask[:, :P], position_ids=pos, past_key_values=cache,
                         use_cache=True, **keep)
             logits = out.logits[:, -1]
+        step = decode_step(model, out.past_key_values, mask, keep, lean)  # chosen once: lean or HF
         for t in range(max_new_tokens):
             tok, lp = _draw(pick, logits.float(), temperature, top_p, gens)
             tok = tok.masked_fill(done, pad_id)  # finished rows keep decoding pad; their outputs are dropped
@@ -312,9 +317,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
             if bool(done.all()) or t + 1 == max_new_tokens:
                 break
             pos = pos[:, -1:] + 1
-            out = model(input_ids=tok[:, None], attention_mask=mask[:, :P + t + 1], position_ids=pos,
-                        past_key_values=out.past_key_values, use_cache=True, **keep)
-            logits = out.logits[:, -1]
+            logits = step(tok, pos, P + t + 1)
 
     toks, logps, lens = toks.cpu(), logps.cpu(), lens.cpu()
     return Rollout(prompt_ids=rows, completion_ids=[toks[i, :lens[i]].tolist() for i in range(N)],
