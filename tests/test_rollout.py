@@ -10,7 +10,6 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from projected_grpo.run.rollout import (
-    SAMPLERS,
     Rollout,
     SeqBatch,
     _accepts_logits_to_keep,
@@ -24,6 +23,7 @@ from projected_grpo.run.rollout import (
     position_ids_from_mask,
     step_seed,
 )
+from projected_grpo.run.sampling import SAMPLERS
 
 WORDS = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "hello", "world", "a", "b", "c"]
 PAD, EOS = 0, 1

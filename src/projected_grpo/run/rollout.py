@@ -10,7 +10,8 @@ it, and its `Sample` is the one record of a completion in a group (teacher pool 
 `forward_logprobs` is the packed scoring forward (the training step's when rollout.share_prefix is off;
 prefix.py shares each group's prompt otherwise). `step_seed` derives sampling seeds from
 (base_seed, step, ...) stably across processes. The decode's KV caches are in kv_cache.py, its
-per-token step (a lean one for Llama/Qwen2, else the HF forward) in decode_step.py.
+per-token step (a lean one for Llama/Qwen2, else the HF forward) in decode_step.py, its token samplers in
+sampling.py.
 
 Not here: the grading itself (envs/), advantages, the teacher pool's storage (pool.py), any optimisation.
 """
@@ -21,17 +22,17 @@ import hashlib
 import inspect
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from projected_grpo.envs.base import Graded
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
 from projected_grpo.run.decode_step import decode_step
 from projected_grpo.run.kv_cache import KV_CACHES
+from projected_grpo.run.sampling import SAMPLERS, draw
 
 # --- token ids ---------------------------------------------------------------------------------
 
@@ -190,42 +191,6 @@ class Rollout:
         return pack(self.prompt_ids, self.completion_ids, pad_id)
 
 
-def _greedy(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """logits (N, V) fp32 -> token (N,), behaviour logp (N,): 0, the argmax is drawn with probability 1."""
-    tok = logits.argmax(-1)
-    return tok, torch.zeros(tok.shape, dtype=logits.dtype, device=logits.device)
-
-
-def _sample(logits: Tensor, temperature: float, top_p: float, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """logits (N, V) fp32 -> token (N,) drawn from softmax(logits / temperature) nucleus-truncated at top_p,
-    and its behaviour logp (N,) under that same distribution (the nucleus renormalised)."""
-    logp_all = F.log_softmax(logits / temperature, -1)  # (N, V)
-    probs = logp_all.exp()
-    if top_p < 1.0:
-        # nucleus (Holtzman et al. 2019): keep the smallest prefix of sorted tokens with mass >= top_p
-        sorted_p, idx = probs.sort(-1, descending=True)
-        sorted_p = sorted_p.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
-    tok = torch.multinomial(probs, 1, generator=gen)[:, 0]
-    logp = logp_all.gather(-1, tok[:, None])[:, 0]
-    return tok, (logp - probs.sum(-1).log()) if top_p < 1.0 else logp  # log(p / nucleus mass)
-
-
-SAMPLERS: dict[str, Callable[[Tensor, float, float, torch.Generator], tuple[Tensor, Tensor]]] = {
-    "greedy": _greedy, "sample": _sample,
-}
-
-
-def _draw(pick, logits: Tensor, temperature: float, top_p: float,
-          gens: Sequence[torch.Generator]) -> tuple[Tensor, Tensor]:
-    """pick's (token (N,), logp (N,)) over logits (N, V): from one Generator, or from one per prompt (the N
-    rows split evenly over gens, prompt-major), so a prompt's draws ignore the rows batched with it."""
-    if len(gens) == 1:
-        return pick(logits, temperature, top_p, gens[0])
-    parts = [pick(rows, temperature, top_p, g) for rows, g in zip(logits.chunk(len(gens)), gens)]
-    return torch.cat([t for t, _ in parts]), torch.cat([lp for _, lp in parts])
-
-
 def _accepts_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -308,7 +273,7 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
             logits = out.logits[:, -1]
         step = decode_step(model, out.past_key_values, mask, keep, lean)  # chosen once: lean or HF
         for t in range(max_new_tokens):
-            tok, lp = _draw(pick, logits.float(), temperature, top_p, gens)
+            tok, lp = draw(pick, logits.float(), temperature, top_p, gens)
             tok = tok.masked_fill(done, pad_id)  # finished rows keep decoding pad; their outputs are dropped
             toks[:, t], logps[:, t] = tok, lp
             hit = ~done & torch.isin(tok, eos)
