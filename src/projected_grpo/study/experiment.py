@@ -58,6 +58,9 @@ ARMS: dict[str, dict[str, dict]] = {
     "route_deploy": {"proj": {"arm": "route", "control": "none", "train_deploy": True}},
     "route_update_deploy": {"proj": {"arm": "route", "control": "none", "target": "update",
                                      "train_deploy": True}},
+    # erase ablation (issue 14): project the AdamW update rather than the gradient, so the step taken has no
+    # V_hack component (Adam's per-coordinate scaling of a projected gradient brings some back)
+    "erase_update": {"proj": {"arm": "erase", "control": "none", "target": "update"}},
 }
 # `<arm>@random`: projection arm `<arm>` with a random V (direction.CONTROLS), every other setting the same:
 # the negative control the report compares the real V with ("real V vs random V"); random_V = erase@random
