@@ -1,4 +1,4 @@
-"""Sweep results: per-arm mean ± SEM over seeds, verdicts, per-mode rises, the curves plot, report.md.
+"""Sweep results: per-arm mean ± SEM over seeds, verdicts, per-mode rises, the curves' data, report.md.
 
 Input is a mapping arm -> run directories, each as the training loop writes it (metrics.jsonl plus
 summary.json once the run finished). Each run contributes its last-5-step means (`metrics.summarize`, the
@@ -8,7 +8,8 @@ Verdicts (verdicts.py) read the *deployed* model's rates (`hack/deploy`, `solve/
 quarantine knob zeroed; they equal the student rates except under `route`): H1 as preregistered, ours beyond
 it against the `gt_reward` positive control, and the real V against its random-V twin. The per-mode table
 shows each loophole mode's deployed hack and solve rate over the first and last 10 steps.
-Deliberately not here: running anything (experiment.py), the verdict rules (verdicts.py).
+Deliberately not here: running anything (experiment.py), the verdict rules (verdicts.py), drawing the
+figures (plots.py).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ import pathlib
 from collections.abc import Mapping, Sequence
 
 from projected_grpo.run import metrics
-from projected_grpo.store import atomic_path, write_text_atomic
+from projected_grpo.store import write_text_atomic
 from projected_grpo.study import verdicts as V
+from projected_grpo.study.plots import EVAL_PANELS, PANELS, plot_curves, plot_eval_curves
 from projected_grpo.study.verdicts import Stat, mean_sem
 
-__all__ = ["Stat", "mean_sem"]
+__all__ = ["EVAL_PANELS", "PANELS", "Stat", "mean_sem", "plot_curves", "plot_eval_curves"]
 
 # last-5-step means aggregated per arm, in table order
 AGG_KEYS: tuple[str, ...] = ("hack/deploy", "solve/deploy", "format/deploy", "hack/student", "solve/student",
@@ -39,11 +41,6 @@ FORMAT_DROP_NOTE = 0.10
 BASELINE, POSITIVE = "none", "gt_reward"
 # arms that are controls of the experiment, not projections: no H1 verdict
 NO_VERDICT = (BASELINE, POSITIVE, "gt_penalty")
-# (panel metric, y label) of the curves figure
-LINESTYLES = ("-", "--", "-.", ":")
-PANELS: tuple[tuple[str, str], ...] = ((HACK, "hack rate, deployed (grader passes, oracle rejects)"),
-                                       (SOLVE, "solve rate, deployed (oracle-correct)"),
-                                       (FORMAT, "well-formed rate, deployed"))
 
 
 def read_run(run_dir: str | os.PathLike) -> tuple[dict[str, float], list[dict]]:
@@ -213,59 +210,6 @@ def curves(runs: Mapping[str, Sequence[str | os.PathLike]], keys: Sequence[str] 
     return out
 
 
-def plot_curves(data: Mapping[str, Mapping[str, tuple[list[int], list[Stat]]]], path: str | os.PathLike,
-                title: str, raw: Mapping[str, Mapping[str, tuple[list[int], list[Stat]]]] | None = None):
-    """One panel per PANELS metric (hack, solve, well-formed rate vs step), one line per arm (seed mean of
-    `data`, e.g. rolling means; ± SEM band with >= 2 seeds) over the faint seed mean of `raw` (the raw
-    per-step rates) when given. Written atomically as PNG; returns the matplotlib Figure (no pyplot state,
-    Agg canvas)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(15, 4.4), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(PANELS))
-    for i, arm in enumerate(data):
-        # colour and dash both vary, thinner lines on top, so arms with equal curves stay visible
-        color, dash, width = f"C{i}", LINESTYLES[i % len(LINESTYLES)], max(1.0, 3.0 - 0.4 * i)
-        for ax, (key, _) in zip(axes, PANELS):
-            if raw is not None and key in raw.get(arm, {}):
-                steps, stats = raw[arm][key]
-                ax.plot(steps, [s.mean for s in stats], color=color, alpha=0.25, linewidth=0.8)
-            steps, stats = data[arm][key]
-            _line(ax, steps, stats, color=color, linestyle=dash, label=arm, linewidth=width)
-    return _finish(fig, axes, PANELS, "optimizer step", data, title, path)
-
-
-def _line(ax, xs: Sequence[int], stats: Sequence[Stat], **style) -> None:
-    """One arm's seed-mean line, with a ± SEM band when every point has one (>= 2 seeds)."""
-    mean = [s.mean for s in stats]
-    ax.plot(xs, mean, **style)
-    if stats and all(s.sem is not None for s in stats):
-        lo, hi = [m - s.sem for m, s in zip(mean, stats)], [m + s.sem for m, s in zip(mean, stats)]
-        ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.2, linewidth=0)
-
-
-def _finish(fig, axes, panels: Sequence[tuple[str, str]], xlabel: str,
-            data: Mapping[str, Mapping[str, tuple[list[int], list[Stat]]]], title: str,
-            path: str | os.PathLike):
-    """Axis labels and limits per panel, the legend, the title; the figure written atomically as PNG."""
-    from matplotlib.ticker import MaxNLocator
-
-    for ax, (_, label) in zip(axes, panels):
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel(label)
-        ax.set_ylim(-0.03, 1.03)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-    n_seeds = max((s.n for arm in data.values() for _, st in arm.values() for s in st), default=0)
-    axes[0].legend(title="arm" + (" (mean ± SEM)" if n_seeds > 1 else ""), loc="best")
-    fig.suptitle(title)
-    with atomic_path(path, ".png") as tmp:
-        fig.savefig(tmp, dpi=110, format="png")
-    return fig
-
-
 def results_table(agg: Mapping[str, Mapping[str, Stat]]) -> str:
     """Markdown table: one row per arm, `mean ± SEM` per AGG_KEYS column (SEM n/a for one seed)."""
     lines = ["| arm | seeds | " + " | ".join(AGG_KEYS) + " |", "|---|---|" + "---|" * len(AGG_KEYS)]
@@ -335,38 +279,12 @@ def write_report(out: str | os.PathLike, runs: Mapping[str, Sequence[str | os.Pa
 
 # --- held-out eval curves (runs with run.eval_every > 0; additive to the panels above) --------------------
 
-EVAL_PANELS: tuple[tuple[str, str], ...] = (
-    ("eval/accuracy", "held-out accuracy (greedy, deployed)"),
-    ("eval/hack", "held-out hack rate (greedy, deployed)"))
 EVAL_START_FILE = "eval_start.json"  # sweep dir: seed -> eval/* of the starting model (no update yet)
 
 
 def has_eval(runs: Mapping[str, Sequence[str | os.PathLike]]) -> bool:
     """Whether every run logged eval/accuracy at least once."""
     return all(any("eval/accuracy" in r for r in read_run(d)[1]) for dirs in runs.values() for d in dirs)
-
-
-def plot_eval_curves(data: Mapping[str, Mapping[str, tuple[list[int], list[Stat]]]], path: str | os.PathLike,
-                     title: str, start: Stat | None = None, start_hack: Stat | None = None):
-    """EVAL_PANELS against optimizer steps done (a row of step s is logged after s + 1 updates), one line per
-    arm (seed mean; ± SEM band with >= 2 seeds), each line starting at `start` / `start_hack` (the starting
-    model's eval, 0 steps done) when given. Written atomically as PNG; returns the Figure."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(11, 4.2), layout="constrained")
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(1, len(EVAL_PANELS))
-    for i, arm in enumerate(data):
-        color, dash, width = f"C{i}", LINESTYLES[i % len(LINESTYLES)], max(1.0, 3.0 - 0.4 * i)
-        for ax, (key, _), first in zip(axes, EVAL_PANELS, (start, start_hack)):
-            steps, stats = data[arm][key]
-            xs, stats = [s + 1 for s in steps], list(stats)
-            if first is not None:
-                xs, stats = [0, *xs], [first, *stats]
-            _line(ax, xs, stats, color=color, linestyle=dash, label=arm, linewidth=width, marker="o",
-                  markersize=3)
-    return _finish(fig, axes, EVAL_PANELS, "optimizer steps done (0 = the starting model)", data, title, path)
 
 
 def run_seed(run_dir: str | os.PathLike) -> int:
