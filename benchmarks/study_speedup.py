@@ -1,13 +1,15 @@
 """Wall time of the preregistered study with --jobs 1 against --jobs 2, and the projected full study.
 
-Runs a reduced study (`projected-grpo study`: the demo preset on the embedded organism, 1 seed, --steps
-steps per run, one leave-one-mode-out fold, so 9 + 3 = 12 runs) on fresh output directories sharing one
+Runs a reduced study (`projected-grpo study` with its default arms: the demo preset on the embedded organism,
+1 seed, --steps steps per run, one leave-one-mode-out fold, so 7 + 2 = 9 runs: no_pool is none on the demo
+preset and the fold borrows main's none) on fresh output directories sharing one
 warm cache, once with --jobs 1 and once with --jobs 2, and prints the two wall times side by side. An
 untimed warm-up study (1 step per run) first builds the organism and every V_hack the study needs, so no
 timed side pays for a cold cache. A third side (--jobs 1, 2 steps) gives the CPU a step costs.
 
-Projections of the full preregistered study on the demo preset (every arm and control, no_pool, one fold
-per mode the preset trains on, 3 seeds, the preset's run.steps):
+Projections of the full preregistered study on the demo preset (`study --preset demo --seeds 3`: the
+preregistered arms and controls, one fold per mode the preset trains on, 3 seeds, the preset's run.steps;
+runs trained once as the study trains them, preregistered.trained_runs):
   measured   runs * (overhead_s + steps * step_s) / jobs, from each side's own figures under its load:
              step_s the median `time/step` of every step of every run; overhead_s the rest of a run's
              share of the wall time, wall * jobs / runs - steps * step_s (process start, model, pool,
@@ -38,7 +40,7 @@ import tempfile
 import time
 
 from projected_grpo import presets
-from projected_grpo.study import experiment, preregistered
+from projected_grpo.study import preregistered
 
 FOLD = "run_tests"
 SHORT = 2
@@ -67,9 +69,10 @@ def main() -> None:
     ap.add_argument("--cache", default="", help="cache root (default: a fresh temporary directory)")
     opt = ap.parse_args()
     demo = presets.PRESETS["demo"]
-    runs = sum(len(p.arms) for p in preregistered.parts(demo, experiment.DEMO_ARMS, [FOLD]))
-    full_parts = preregistered.parts(demo, experiment.DEMO_ARMS)
-    full_runs, full_steps = 3 * sum(len(p.arms) for p in full_parts), demo.run.steps
+    reduced = preregistered.parts(demo, preregistered.LOMO_ARMS, [FOLD])
+    runs = preregistered.trained_runs(demo, reduced, [0])
+    full_parts = preregistered.parts(demo, preregistered.LOMO_ARMS)
+    full_runs, full_steps = preregistered.trained_runs(demo, full_parts, [0, 1, 2]), demo.run.steps
     with tempfile.TemporaryDirectory() as tmp:
         root = pathlib.Path(tmp)
         env = dict(os.environ, PROJECTED_GRPO_CACHE=opt.cache or str(root / "cache"))
@@ -84,8 +87,9 @@ def main() -> None:
     cpu_step = (sides[1]["cpu"] - short["cpu"]) / (runs * (opt.steps - SHORT))
     cpu_overhead = short["cpu"] / runs - SHORT * cpu_step
     cpu_bound = full_runs * (cpu_overhead + full_steps * cpu_step) / 2 / 60
-    print(f"reduced study: demo preset, {runs} runs (9 arms + 3 arms without {FOLD}), 1 seed, {opt.steps} "
-          f"steps each, warm cache; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"reduced study: demo preset, {runs} runs ({', '.join(p.name for p in reduced)}), 1 seed, "
+          f"{opt.steps} steps each, warm cache; {os.cpu_count()} cores, load average "
+          f"{os.getloadavg()[0]:.1f} at the end")
     print(f"| | wall s | CPU s | CPU/wall (cores got) | step s (median) | overhead s/run | projected full "
           f"study, min ({full_runs} runs x {full_steps} steps) |")
     print("|---|---:|---:|---:|---:|---:|---:|")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import tempfile
+import weakref
 from collections import OrderedDict
 
 import pytest
@@ -263,6 +265,38 @@ def test_w_eff_merged_under_inference_mode_serves_a_later_grad_forward(tmp_path)
     h = model.get_input_embeddings()(x).detach().requires_grad_(True)
     model(inputs_embeds=h, use_cache=False).logits.sum().backward()
     assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
+@pytest.mark.parametrize("kind", ["svd", "lora"])
+def test_backward_frees_w_eff_while_the_graph_output_lives(kind, tmp_path):
+    """The fused Function saves W_eff with save_for_backward, so the backward frees it; as a ctx attribute it
+    lived as long as the graph (until the training loop rebound its outputs at the next step's forward), one
+    extra copy of the wrapped weights under that forward's peak (issue 18)."""
+    model, knobs, x, adv = setup(kind, tmp_path)
+    m = knobs.modules["model.layers.0.mlp.down_proj"]
+    loss = per_seq_loss(model, x, adv).sum()  # the graph: its fused nodes hold every module's W_eff
+    alive = weakref.ref(m.weight_eff())
+    knobs.release()  # the module's own cache lets go: only the graph still holds it
+    assert alive() is not None
+    loss.backward()
+    gc.collect()
+    assert loss.grad_fn is not None and alive() is None  # the output (and its graph) live; W_eff is gone
+
+
+@pytest.mark.parametrize("kind,rank", [("svd", None), ("svd", 4), ("lora", 4)])
+def test_forward_keeps_the_narrower_of_x_and_its_thin_projection(kind, rank, tmp_path):
+    """What the fused node saves: h = x·Pᵀ (N, T, R) where R < d_in, else x itself (no copy), and W_eff."""
+    _, knobs, _, _ = setup(kind, tmp_path, rank=rank)
+    R = 4 if rank else 32  # full svd rank: min(d_out, d_in) = hidden 32 for the down projection (64 -> 32)
+    for name, d_in in (("model.layers.0.mlp.down_proj", 64), ("model.layers.0.self_attn.q_proj", 32)):
+        m = knobs.modules[name]
+        x = torch.randn(2, 5, d_in, requires_grad=True)
+        kept, W_eff = m(x).grad_fn.saved_tensors
+        assert W_eff is m.weight_eff() or torch.equal(W_eff, m.weight_eff())
+        if R < d_in:  # 4 of 32 or 64 inputs; 32 of 64 (svd's full rank on the down projection)
+            assert kept.shape == (2, 5, R)
+        else:  # q_proj at full svd rank: R = d_in = 32, x kept as is (shared with k_proj and v_proj)
+            assert kept.data_ptr() == x.data_ptr()
 
 
 def test_zero_knobs_merge_to_w_itself(tmp_path):

@@ -58,24 +58,48 @@ def test_plans_of_several_sweeps_go_beside_each_sweep(tmp_path, monkeypatch):
 
 # --- the study's parts ----------------------------------------------------------------------------------
 
-def test_study_parts_are_every_arm_then_one_fold_per_mode():
+def test_study_parts_are_the_preregistered_arms_then_one_fold_per_mode():
     parts = preregistered.parts(presets.PRESETS["demo"], ["none", "erase"])
-    assert parts[0] == preregistered.Part("main", "", tuple(experiment.ARMS))
-    assert {"none", "erase", "route", "random_V", "shuffled_V", "nonhack_V", "gt_penalty", "gt_reward",
-            "no_pool"} <= set(parts[0].arms)
+    assert parts[0] == preregistered.Part("main", "", preregistered.PREREGISTERED_ARMS)
+    # seed 002's arms and controls, no_pool and the positive control; every other arm only when asked
+    assert set(parts[0].arms) == {"none", "erase", "route", "random_V", "shuffled_V", "nonhack_V", "no_pool",
+                                  "gt_reward"}
+    every = preregistered.parts(presets.PRESETS["demo"], ["erase"], ["sentinel"], arms=list(experiment.ARMS))
+    assert every[0].arms == tuple(experiment.ARMS)
     # the demo preset trains on all six modes: one fold each, in the environment's mode order
     from projected_grpo.envs.coding.problems import MODES
 
-    assert [(p.name, p.lomo, p.arms) for p in parts[1:]] == [(f"lomo-{m}", m, ("none", "erase"))
-                                                             for m in MODES]
+    assert [(p.name, p.lomo, p.arms, p.borrowed) for p in parts[1:]] == [
+        (f"lomo-{m}", m, ("none", "erase"), ()) for m in MODES]  # none asked for: trained in the fold
     assert len(preregistered.parts(presets.SMOKE, ["none"])) == 1 + 6  # smoke: every mode
     assert len(preregistered.parts(presets.SMOKE, ["none"], ["sentinel"])) == 2
     maths = C.replace(presets.SMOKE, env={"name": "maths"})
     assert [p.name for p in preregistered.parts(maths, ["none"])] == ["main"]  # no loophole modes to hold out
     with pytest.raises(UserError, match="bogus"):
         preregistered.parts(presets.SMOKE, ["none", "bogus"])
+    with pytest.raises(UserError, match="bogus"):
+        preregistered.parts(presets.SMOKE, ["none"], arms=["none", "bogus"])
     with pytest.raises(UserError, match="not a loophole mode"):
         preregistered.parts(presets.SMOKE, ["none"], ["nope"])
+
+
+def test_a_fold_borrows_mains_none_only_without_teacher_rows_in_training():
+    default = preregistered.LOMO_ARMS
+    assert default == ("erase", "random_V")  # the projection arm beside its random-V twin (issue 14 item 6)
+    # demo: mix 0, so holding a mode out changes only V_hack, which `none` does not use: main's runs
+    (fold,) = preregistered.parts(presets.PRESETS["demo"], default, ["sentinel"])[1:]
+    assert fold.arms == default and fold.borrowed == ("none",)
+    # demo-pool: teacher rows in the groups, and the fold's pool lacks the held-out mode: its own `none`
+    (fold,) = preregistered.parts(presets.PRESETS["demo-pool"], default, ["sentinel"])[1:]
+    assert fold.arms == ("none", *default) and fold.borrowed == ()
+
+
+def test_arms_with_equal_configs_are_trained_once():
+    arms = ["none", "erase", "no_pool", "gt_reward"]
+    demo = experiment.plan(presets.PRESETS["demo"], arms, [0, 1], pathlib.Path("x"))
+    assert preregistered.same_runs(demo) == {"no_pool": "none"}  # demo has mix 0: no_pool is none
+    pool = experiment.plan(presets.PRESETS["demo-pool"], arms, [0, 1], pathlib.Path("x"))
+    assert preregistered.same_runs(pool) == {}  # mix 0.5: no_pool drops the teacher rows
 
 
 def test_no_pool_arm_is_pure_student_grpo():
@@ -123,12 +147,12 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
     printed = capsys.readouterr().out
     md = (out / "report.md").read_text()
     assert "[main](main/report.md)" in md and "[lomo-sentinel](lomo-sentinel/report.md)" in md
-    for arm in experiment.ARMS:  # one table of every arm and fold
+    for arm in preregistered.PREREGISTERED_ARMS:  # one table of every arm and fold
         assert f"| {arm} | 1 |" in md and (out / "main" / f"{arm}-s0" / "summary.json").is_file()
     assert "| erase (without sentinel) | 1 |" in md and "### lomo-sentinel" in md
     assert (out / "main" / "report.md").is_file() and (out / "lomo-sentinel" / "curves.png").is_file()
     assert json.loads((out / "lomo-sentinel" / "sweep.json").read_text())["lomo"] == "sentinel"
     assert "| none (without sentinel) | 1 |" in printed
     assert preregistered.main(argv) == 0  # resumes: every run finished, so all are skipped
-    n = len(experiment.ARMS) + 2
+    n = len(preregistered.PREREGISTERED_ARMS) + 2
     assert f"trained 0, resumed 0, skipped {n} as finished" in (out / "report.md").read_text()

@@ -126,6 +126,19 @@ def test_logprobs_equal_the_packed_forward(name, temperature, tmp_path):
     assert entropy is None and logp.shape == packed.completion_mask.shape
 
 
+def test_entropy_is_a_detached_metric_and_logp_keeps_its_graph(tmp_path):
+    """With grad on, both scorings return logp with a graph and the entropy without one: an entropy branch the
+    loss never uses would keep its saved logits alive after the backward, under the next forward
+    (issue 18)."""
+    model, _ = model_and_knobs("llama-sdpa", "svd", tmp_path)
+    prompts, completions, is_student, _ = rows()
+    for fn, batch in ((forward_logprobs, pack(prompts, completions, PAD)),
+                      (prefix_logprobs, pack_prefix(prompts, completions, PAD, is_student))):
+        logp, entropy = fn(model, batch, with_entropy=True)
+        assert logp.requires_grad and not entropy.requires_grad and entropy.grad_fn is None
+        assert entropy[batch.completion_mask > 0].min() > 0  # a real entropy, not zeros
+
+
 @pytest.mark.parametrize("kind", ["svd", "lora"])
 @pytest.mark.parametrize("name,ckpt", [("llama-sdpa", False), ("llama-sdpa", True), ("llama-eager", True)])
 def test_knob_gradients_and_the_split_equal_the_packed_two_backward_oracle(name, ckpt, kind, tmp_path):

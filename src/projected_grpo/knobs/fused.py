@@ -37,7 +37,12 @@ def _tokens(t: Tensor) -> Tensor:
 def svd_knob_grad(x: Tensor, dy: Tensor, U: Tensor, Vh: Tensor, per_sequence: bool) -> Tensor:
     """∂L/∂δS = Σ_tokens (x·Vhᵀ) ⊙ (dy·U) from x (N, ..., d_in), dy (N, ..., d_out): (R,), or per sequence
     (N, R); ≥ fp32. The thin projections run in the activations' dtype, the product in ≥ fp32."""
-    per_tok = _wide(x @ Vh.T) * _wide(dy @ U)  # (N, ..., R): each token's term
+    return _svd_grad_from_h(x @ Vh.T, dy, U, per_sequence)
+
+
+def _svd_grad_from_h(h: Tensor, dy: Tensor, U: Tensor, per_sequence: bool) -> Tensor:
+    """svd_knob_grad from h = x·Vhᵀ (N, ..., R), the thin projection the forward may keep instead of x."""
+    per_tok = _wide(h) * _wide(dy @ U)  # (N, ..., R): each token's term
     if per_sequence:
         return per_tok.reshape(per_tok.shape[0], -1, per_tok.shape[-1]).sum(1)  # (N, R)
     return _tokens(per_tok).sum(0)  # (R,)
@@ -74,18 +79,23 @@ def _svd_dw_by_source(x: Tensor, dy: Tensor, rec, U: Tensor, Vh: Tensor) -> Tens
     return g_s + g_t
 
 
-def _svd_dw_pays(dy: Tensor, U: Tensor, Vh: Tensor, groups: int) -> bool:
+def _svd_dw_pays(t: Tensor, U: Tensor, Vh: Tensor, groups: int) -> bool:
     """Whether svd_knob_grad_dw over `groups` row sets costs fewer multiply-adds than the thin projections
-    for dy (..., d_out). Only for fp32/fp64: G rounded to bf16 would lose what u_iᵀ·G·v_i cancels to."""
-    if dy.dtype not in (torch.float32, torch.float64):
+    for the tokens of t (x or dy, (..., d)). Only for fp32/fp64: G rounded to bf16 would lose what u_iᵀ·G·v_i
+    cancels to."""
+    if t.dtype not in (torch.float32, torch.float64):
         return False
-    (d_out, R), d_in, n = U.shape, Vh.shape[1], dy.numel() // dy.shape[-1]
+    (d_out, R), d_in, n = U.shape, Vh.shape[1], t.numel() // t.shape[-1]
     return n * d_in * d_out + groups * R * d_out * d_in < n * R * (d_in + d_out)
 
 
 def lora_knob_grad(x: Tensor, dy: Tensor, A: Tensor, per_sequence: bool) -> Tensor:
     """∂L/∂B from x (N, ..., d_in), dy (N, ..., d_out): (d_out, r), or per sequence (N, d_out·r); ≥ fp32."""
-    h = x @ A.T  # (N, ..., r)
+    return _lora_grad_from_h(x @ A.T, dy, per_sequence)
+
+
+def _lora_grad_from_h(h: Tensor, dy: Tensor, per_sequence: bool) -> Tensor:
+    """lora_knob_grad from h = x·Aᵀ (N, ..., r), the thin projection the forward keeps instead of x."""
     if per_sequence:
         N = h.shape[0]
         g = torch.einsum("nto,ntr->nor", _wide(dy).reshape(N, -1, dy.shape[-1]),
@@ -96,28 +106,36 @@ def lora_knob_grad(x: Tensor, dy: Tensor, A: Tensor, per_sequence: bool) -> Tens
 
 
 def _forward(ctx, x: Tensor, delta: Tensor, W_eff: Tensor, bias: Tensor | None, record: Record | None,
-             frozen: tuple[Tensor, ...]) -> Tensor:
+             frozen: tuple[Tensor, ...], P: Tensor | None) -> Tensor:
+    """y = x·W_effᵀ + b. Keeps for the backward W_eff and the narrower of x and h = x·Pᵀ (N, ..., R), P the
+    knob's input projection (svd Vh, lora A) or None when the knob gradient needs x itself: h when R < d_in
+    (the down projection at full svd rank, every lora module), so x, often an activation nothing else
+    keeps, is freed after the forward (issue 18). Saved with save_for_backward, not as ctx attributes, so
+    autograd frees both after the backward: as an attribute W_eff lived as long as the graph, through the
+    next step's re-merge and forward. Under checkpointing both are recomputed in the backward."""
     ctx.knob_dtype = delta.dtype
-    ctx.save_for_backward(x)  # autograd's copy; under checkpointing it is recomputed in the backward
-    ctx.W_eff, ctx.frozen, ctx.record = W_eff, frozen, record  # constants, never written in place
+    ctx.keeps_h = P is not None and P.shape[0] < x.shape[-1]
+    ctx.save_for_backward(x @ P.T if ctx.keeps_h else x, W_eff)
+    ctx.frozen, ctx.record = frozen, record  # constants (frozen buffers, the capture's watch)
     return F.linear(x, W_eff, bias)  # exactly what nn.Linear's forward does, with W_eff for W
 
 
 def _backward(ctx, dy: Tensor, per_seq_fn, total_fn, by_source_fn) -> tuple[Tensor | None, Tensor | None]:
     """-> (∂L/∂x (..., d_in) or None, the knob gradient (flat or knob-shaped) or None).
 
-    per_seq_fn(x, dy) -> (N, R); total_fn(x, dy) -> the knob gradient summed over all rows;
-    by_source_fn(x, dy, rec) -> the same, after handing rec its per-source sums, or None: then a capture
-    that wants no per-sequence rows gets its per-source sums from the per-sequence rows."""
-    (x,) = ctx.saved_tensors
-    dx = dy @ ctx.W_eff if ctx.needs_input_grad[0] else None  # as the plain layer's backward
+    s is what the forward kept (x, or h when ctx.keeps_h): per_seq_fn(s, dy) -> (N, R); total_fn(s, dy) ->
+    the knob gradient summed over all rows; by_source_fn(x, dy, rec) -> the same, after handing rec its
+    per-source sums, or None: then a capture that wants no per-sequence rows gets its per-source sums from
+    the per-sequence rows."""
+    s, W_eff = ctx.saved_tensors
+    dx = dy @ W_eff if ctx.needs_input_grad[0] else None  # as the plain layer's backward
     rec = ctx.record
     if rec is None:
-        d_delta = total_fn(x, dy) if ctx.needs_input_grad[1] else None
+        d_delta = total_fn(s, dy) if ctx.needs_input_grad[1] else None
     elif by_source_fn is not None and not rec.per_sequence:
-        d_delta = by_source_fn(x, dy, rec)
+        d_delta = by_source_fn(s, dy, rec)
     else:
-        per_seq = per_seq_fn(x, dy)  # (N, R)
+        per_seq = per_seq_fn(s, dy)  # (N, R)
         rec(per_seq)
         d_delta = per_seq.sum(0)
     return dx, None if d_delta is None else d_delta.to(ctx.knob_dtype)
@@ -129,15 +147,22 @@ class SVDLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, delta, W_eff, bias, record, U, Vh):
-        return _forward(ctx, x, delta, W_eff, bias, record, (U, Vh))
+        # h = x·Vhᵀ is enough unless the weight gradient pays (then x): decided from x alone, never from
+        # `record`, so a checkpointed replay (record None) keeps what the original forward kept. Where even
+        # one row set's weight gradient does not pay, two (per source) do not either.
+        return _forward(ctx, x, delta, W_eff, bias, record, (U, Vh),
+                        None if _svd_dw_pays(x, U, Vh, 1) else Vh)
 
     @staticmethod
     def backward(ctx, dy):
         U, Vh = ctx.frozen
         rec = ctx.record
         groups = 1 if rec is None else (rec.n_student > 0) + (rec.n_teacher > 0)
-        thin = functools.partial(svd_knob_grad, U=U, Vh=Vh)
-        if _svd_dw_pays(dy, U, Vh, groups):  # full rank over many tokens: through the weight gradient
+        if ctx.keeps_h:  # from the kept h = x·Vhᵀ
+            thin = functools.partial(_svd_grad_from_h, U=U)
+        else:
+            thin = functools.partial(svd_knob_grad, U=U, Vh=Vh)
+        if not ctx.keeps_h and _svd_dw_pays(dy, U, Vh, groups):  # full rank, many tokens: the weight gradient
             total = functools.partial(svd_knob_grad_dw, U=U, Vh=Vh)
             by_source = functools.partial(_svd_dw_by_source, U=U, Vh=Vh)
         else:
@@ -152,12 +177,12 @@ class LoRALinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, delta, W_eff, bias, record, A):
-        return _forward(ctx, x, delta, W_eff, bias, record, (A,))
+        return _forward(ctx, x, delta, W_eff, bias, record, (A,), A)
 
     @staticmethod
     def backward(ctx, dy):
         (A,) = ctx.frozen
-        grad = functools.partial(lora_knob_grad, A=A)
+        grad = _lora_grad_from_h if ctx.keeps_h else functools.partial(lora_knob_grad, A=A)
         # per source from the per-sequence rows: the einsum costs what one matmul over all tokens does
         dx, d_delta = _backward(ctx, dy, functools.partial(grad, per_sequence=True),
                                 functools.partial(grad, per_sequence=False), None)

@@ -141,8 +141,8 @@ def _cache(model, layers: list[DynamicLayer]) -> _ReplaySafeCache:
 
 def prefix_logprobs(model, batch: PrefixBatch, *, temperature: float = 1.0, with_entropy: bool = False,
                     capture=None) -> tuple[Tensor, Tensor | None]:
-    """Per-token log-probs (N, T) of the completion tokens (and entropies (N, T) when `with_entropy`), as
-    rollout.forward_logprobs gives on the packed batch; 0 outside completion_mask.
+    """Per-token log-probs (N, T) of the completion tokens (and detached entropies (N, T) when
+    `with_entropy`), as rollout.forward_logprobs gives on the packed batch; 0 outside completion_mask.
 
     capture: the open `Knobs.capture(is_student)` of this forward, if any; its is_student must be the
     sequences' sources (batch.prefix_student[batch.owner]). The prompt rows' forward runs under its
@@ -179,9 +179,10 @@ def prefix_logprobs(model, batch: PrefixBatch, *, temperature: float = 1.0, with
                       for s, lg in zip(starts, parts)], 1)
     logp = torch.where(real, logp, zero)
     entropy = None
-    if with_entropy:
-        entropy = torch.where(real, torch.cat([entropy_from_logits(lg, temperature=temperature)
-                                               for lg in parts], 1), zero)
+    if with_entropy:  # a metric: no graph (the loss's backward never frees an unused branch's saved logits)
+        with torch.no_grad():
+            entropy = torch.where(real, torch.cat([entropy_from_logits(lg, temperature=temperature)
+                                                   for lg in parts], 1), zero)
     return logp, entropy
 
 

@@ -362,7 +362,8 @@ def forward_logprobs(model, batch: SeqBatch, *, temperature: float = 1.0,
     """Per-token log-probs of the completion tokens under softmax(logits / temperature).
 
     Returns logp (N, T) and, when `with_entropy`, the per-token entropy (N, T) of the same tempered
-    distribution; both are 0 outside batch.completion_mask. Gradients flow when called with grad on.
+    distribution (detached: a metric); both are 0 outside batch.completion_mask. Gradients flow to logp
+    when called with grad on.
     """
     logits = completion_logits(model, batch)  # (N, T, V), a view: the chunked functions never copy it
     targets = batch.input_ids[:, -batch.T:]  # (N, T)
@@ -370,6 +371,8 @@ def forward_logprobs(model, batch: SeqBatch, *, temperature: float = 1.0,
     zero = torch.zeros((), dtype=torch.float32, device=logits.device)
     # where, not multiply: a masked position must read 0 even if its value were inf
     logp = torch.where(real, token_logprobs(logits, targets, temperature=temperature), zero)
-    entropy = (torch.where(real, entropy_from_logits(logits, temperature=temperature), zero)
-               if with_entropy else None)
+    entropy = None
+    if with_entropy:  # a metric: no graph (the loss's backward never frees an unused branch's saved logits)
+        with torch.no_grad():
+            entropy = torch.where(real, entropy_from_logits(logits, temperature=temperature), zero)
     return logp, entropy

@@ -154,6 +154,9 @@ def train(cfg: C.Config) -> dict:
                           ("loss/kl", cfg.loss.beta * float(loss_kl.detach()))]
                 for k, v in parts:
                     acc[k] = acc.get(k, 0.0) + v
+                # the graph's outputs go now, not when the next step's forward rebinds them: what the graph
+                # still holds after the backward would otherwise sit under that forward's peak (issue 18)
+                del logp, entropy, logp_old, weight, pg_tok, kl_tok, loss_pg, loss_kl
             t_bwd = time.perf_counter() - t0
             # --- data parallel (run/dist.py): sum knob grads, the per-source split and the loss stats over
             # ranks BEFORE projection, so every rank projects the same global gradient; one process: no-op ---

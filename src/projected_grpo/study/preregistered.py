@@ -1,13 +1,18 @@
 """The whole preregistered study in one command: every arm, control, no-pool and leave-one-mode-out fold.
 
-`projected-grpo study --preset demo --seeds 3` plans its parts under --out: `main/`, every arm of
-experiment.ARMS (none, erase, route; the negative controls random_V, shuffled_V, nonhack_V; the ground-truth
-baselines gt_penalty, gt_reward; no_pool, pure student GRPO), and one `lomo-<mode>/` per loophole mode the
-base trains on (experiment.lomo_base: that mode held out of the teacher pool and of V_hack's pairs; arms
---lomo-arms). Every part is planned as `experiment` plans a sweep (experiment.plan_sweep), then ALL runs go
-to one launch.run_all, so --jobs or --backend ray keep every core or node busy across parts. Finished runs
-are skipped: rerunning the command resumes the study. Then each part gets its own report (report.py) and
-`report.md` at the top links them, with one table of every arm and fold. Not here: training, aggregation.
+`projected-grpo study --preset demo --seeds 3` plans its parts under --out: `main/`, the study as seed 002
+and SPEC section 1.8 preregister it (PREREGISTERED_ARMS: none, erase, route; the negative controls
+random_V, shuffled_V, nonhack_V; no_pool, pure student GRPO; and gt_reward, issue 14's positive control, the
+yardstick of "capability kept"; `--arms all` adds every other arm of experiment.ARMS), and one
+`lomo-<mode>/` per loophole mode the base trains on (experiment.lomo_base: that mode held out of the
+teacher pool and of V_hack's pairs; arms --lomo-arms, default erase beside its random-V twin). Every part is
+planned as `experiment` plans a sweep (experiment.plan_sweep), then ALL runs go to one launch.run_all, so
+--jobs or --backend ray keep every core or node busy across parts. Nothing is trained twice: an arm whose
+runs would have the config of an earlier arm's (no_pool on a base without teacher rows is none) gets that
+arm's runs, and a fold without teacher rows in training borrows main's `none` (holding a mode out then
+changes only V_hack, which `none` does not use). Finished runs are skipped: rerunning the command resumes
+the study. Then each part gets its own report (report.py) and `report.md` at the top links them, with one
+table of every arm and fold. Not here: training, aggregation.
 """
 
 from __future__ import annotations
@@ -24,52 +29,102 @@ from projected_grpo.errors import UserError
 from projected_grpo.study import experiment, launch, report
 from projected_grpo.study import verdicts as V
 
+# seed 002's three arms, its three negative controls, no_pool, and the positive control gt_reward (issue 14)
+PREREGISTERED_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "shuffled_V", "nonhack_V",
+                                       "no_pool", "gt_reward")
+# each fold: the preregistered projection arm beside its random-V twin (issue 14 item 6)
+LOMO_ARMS: tuple[str, ...] = ("erase", "random_V")
+
 
 @dataclass(frozen=True)
 class Part:
-    """One sweep of the study: its directory name, the held-out mode ("" for main) and its arms."""
+    """One sweep of the study: its directory name, the held-out mode ("" for main), the arms it trains and
+    those whose runs it borrows from main (a fold's `none` when the base has no teacher rows in training)."""
 
     name: str
     lomo: str
     arms: tuple[str, ...]
+    borrowed: tuple[str, ...] = ()
 
 
-def parts(base: C.Config, lomo_arms: Sequence[str], lomo_modes: Sequence[str] | None = None) -> list[Part]:
-    """main (every arm) and one leave-one-mode-out part per mode (lomo_modes, default: every loophole mode
-    the base trains on; none for an environment without loophole modes). Raises before any work when a
-    part cannot run."""
-    out = [Part("main", "", tuple(experiment.ARMS))]
+def parts(base: C.Config, lomo_arms: Sequence[str], lomo_modes: Sequence[str] | None = None,
+          arms: Sequence[str] = PREREGISTERED_ARMS) -> list[Part]:
+    """main (`arms`) and one leave-one-mode-out part per mode (lomo_modes, default: every loophole mode the
+    base trains on; none for an environment without loophole modes). A fold's H1 baseline is `none`: trained
+    in the fold when the base mixes teacher rows into its groups (the fold's pool differs), else borrowed
+    from main. Raises before any work when a part cannot run."""
+    out = [Part("main", "", tuple(arms))]
     if lomo_modes is None:
         from projected_grpo.envs.coding.problems import MODES
 
         lomo_modes = (base.env.modes or MODES) if base.env.name == "coding" else ()
+    borrow = "none" not in lomo_arms and "none" in arms and not base.rollout.G_t
+    fold_arms = tuple(lomo_arms) if borrow or "none" in lomo_arms else ("none", *lomo_arms)
     for mode in lomo_modes:
         experiment.lomo_known_modes(base, mode)
-        out.append(Part(f"lomo-{mode}", mode, tuple(lomo_arms)))
-    experiment.plan(base, out[-1].arms, [0], pathlib.Path("."))  # unknown lomo arms: refused now
+        out.append(Part(f"lomo-{mode}", mode, fold_arms, ("none",) if borrow else ()))
+    for part in out:  # unknown arms: refused now
+        experiment.plan(base, part.arms, [0], pathlib.Path("."))
     return out
 
 
+def same_runs(runs: Sequence[experiment.Run]) -> dict[str, str]:
+    """arm -> the earlier arm whose runs have its configs seed for seed (run.dir aside): trained once."""
+    by_arm: dict[str, list] = {}
+    for r in runs:
+        by_arm.setdefault(r.arm, []).append(r)
+    same: dict[str, str] = {}
+    for i, (arm, mine) in enumerate(by_arm.items()):
+        for other, theirs in list(by_arm.items())[:i]:
+            if other not in same and all(not C.diff(a.cfg, b.cfg, ignore=("run.dir",))
+                                         for a, b in zip(mine, theirs)):
+                same[arm] = other
+                break
+    return same
+
+
+def trained_runs(base: C.Config, todo: Sequence[Part], seeds: Sequence[int]) -> int:
+    """How many runs the study trains: every part's arms x seeds, less the arms trained once (same_runs)."""
+    plan = lambda p: experiment.plan(base, p.arms, seeds, pathlib.Path(p.name))
+    return sum((len(p.arms) - len(same_runs(plan(p)))) * len(seeds) for p in todo)
+
+
 def study(base: C.Config, seeds: Sequence[int], out: str | pathlib.Path, *, preset: str, command: str,
-          lomo_arms: Sequence[str] = experiment.DEMO_ARMS, lomo_modes: Sequence[str] | None = None,
-          jobs: int = 0, backend: str = "local", ray_address: str = "", log=experiment._stderr) -> str:
+          arms: Sequence[str] = PREREGISTERED_ARMS, lomo_arms: Sequence[str] = LOMO_ARMS,
+          lomo_modes: Sequence[str] | None = None, jobs: int = 0, backend: str = "local",
+          ray_address: str = "", log=experiment._stderr) -> str:
     """Plan every part, train every run not finished yet, write each part's report and the study's;
     returns the printed summary (the table of every arm and fold, the verdicts)."""
     t0 = time.perf_counter()
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    todo = parts(base, lomo_arms, lomo_modes)
+    todo = parts(base, lomo_arms, lomo_modes, arms)
     tok = experiment.prepare_model(base, log)
-    planned = []  # (part, its base, runs, notes)
+    planned = []  # (part, runs to train, arm -> its run dirs, notes)
+    main_dirs: dict[str, list[pathlib.Path]] = {}
     for part in todo:
-        log(f"[study] part {part.name}: {len(part.arms)} arms x {len(seeds)} seeds")
+        log(f"[study] part {part.name}: {len(part.arms)} arms x {len(seeds)} seeds"
+            + (f", {', '.join(part.borrowed)} borrowed from main" if part.borrowed else ""))
         part_base, runs, notes = experiment.plan_sweep(base, tok, part.arms, seeds, out / part.name,
                                                        part.lomo, log)
+        same = same_runs(runs)
+        runs = [r for r in runs if r.arm not in same]
+        dirs = {a: [r.dir for r in runs if r.arm == same.get(a, a)] for a in part.arms}
+        notes = [*notes, *(f"`{a}` has `{b}`'s config on this base, so its runs are `{b}`'s (not trained "
+                           "twice)" for a, b in same.items())]
+        if part.borrowed:
+            dirs = {**{a: main_dirs[a] for a in part.borrowed}, **dirs}
+            named = ", ".join(f"`{a}`" for a in part.borrowed)
+            notes.append(f"{named}: main's runs. With no teacher rows in training (rollout.mix 0) holding a "
+                         "mode out changes only V_hack, which they do not use (their proj/* diagnostics are "
+                         "against main's V_hack)")
+        if not part.lomo:
+            main_dirs = dirs
         store.write_json_atomic(out / part.name / "sweep.json", {
-            "command": command, "preset": preset, "arms": list(part.arms), "seeds": list(seeds),
-            "lomo": part.lomo, "base": part_base.to_dict()})
-        planned.append((part, runs, notes))
-    all_runs = [r for _, runs, _ in planned for r in runs]
+            "command": command, "preset": preset, "arms": list(part.arms), "borrowed": list(part.borrowed),
+            "same": same, "seeds": list(seeds), "lomo": part.lomo, "base": part_base.to_dict()})
+        planned.append((part, runs, dirs, notes))
+    all_runs = [r for _, runs, _, _ in planned for r in runs]
     log(f"[study] {len(all_runs)} runs in {len(todo)} parts at {time.perf_counter() - t0:.0f} s")
     counts = launch.run_all(all_runs, None, log, jobs=jobs, backend=backend, ray_address=ray_address)
     return write_study_report(out, planned, base, preset=preset, command=command, counts=counts,
@@ -83,31 +138,33 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
     diff = C.diff(presets.PRESETS[preset], base)
     rows: dict[str, list] = {}
     verdicts = []
-    for part, runs, notes in planned:
-        by_arm = {a: [r.dir for r in runs if r.arm == a] for a in part.arms}
-        n_seeds = len(runs) // len(part.arms)
+    for part, _, by_arm, notes in planned:
+        twins = experiment.random_twins(part.arms)
+        n_seeds = len(next(iter(by_arm.values())))
         title = f"{preset} study, part {part.name}: {', '.join(part.arms)} x {n_seeds} seed(s)"
         report.write_report(out / part.name, by_arm, title=title, config_diff=diff,
-                            arm_overrides={a: experiment.describe_arm(a) for a in part.arms}, command=command,
-                            elapsed_s=elapsed_s, notes=notes)
+                            arm_overrides={a: experiment.describe_arm(a) for a in by_arm}, command=command,
+                            elapsed_s=elapsed_s, notes=notes, twins=twins, held_out=part.lomo)
         label = (lambda a: a) if not part.lomo else (lambda a, m=part.lomo: f"{a} (without {m})")
-        rows |= {label(a): dirs for a, dirs in by_arm.items()}
+        rows |= {label(a): dirs for a, dirs in by_arm.items() if a not in part.borrowed}
         verdicts += [f"### {part.name}", ""]
-        lines = report.verdict_lines(report.aggregate(by_arm), report.aggregate(by_arm, "start"),
-                                     experiment.random_twins(part.arms))
+        lines = report.verdict_lines(report.aggregate(by_arm), report.aggregate(by_arm, "start"), twins)
         verdicts += [f"- {v}" if not v.startswith("  ") else f"    - {v.strip()}" for v in lines]
         verdicts.append("")
     table = report.results_table(report.aggregate(rows))
-    n_runs = sum(len(runs) for _, runs, _ in planned)
+    n_runs = sum(len(runs) for _, runs, _, _ in planned)
     md = [f"# The preregistered study on the `{preset}` preset", "", "Reproduce (rerun to resume):", "",
           "```", command, "```", "",
           f"{n_runs} runs; this invocation trained {counts['trained']}, resumed {counts['resumed']}, skipped "
           f"{counts['skipped']} as finished, in {elapsed_s:.0f} s wall time.", "", "## Parts", ""]
     held = lambda p: f"`{p.lomo}` held out of the teacher pool and of V_hack's pairs; " if p.lomo else ""
-    md += [f"- [{p.name}]({p.name}/report.md): {held(p)}arms {', '.join(p.arms)}" for p, _, _ in planned]
+    borrowed = lambda p: f" (borrowed from main: {', '.join(p.borrowed)})" if p.borrowed else ""
+    md += [f"- [{p.name}]({p.name}/report.md): {held(p)}arms {', '.join(p.arms)}{borrowed(p)}"
+           for p, _, _, _ in planned]
     md += ["", f"## Every arm and fold (mean ± SEM over seeds of each run's last-{report.LAST}-step means)",
            "", table, "", "A fold's row `arm (without MODE)` trains on every mode with MODE held out of the "
-           "teacher pool and V_hack's pairs; its curves and notes are in that part's report.", "",
+           "teacher pool and V_hack's pairs; its curves, the held-out mode's own rates and notes are in that "
+           "part's report.", "",
            f"## Verdicts: preregistered H1 (seed 002) against the part's `none`: SUPPORT = hack down >= "
            f"{100 * V.SUPPORT_HACK_DROP:.0f} pts with solve within ±{100 * V.SUPPORT_SOLVE_BAND:.0f} pts; "
            f"FALSIFIED = hack down < {100 * V.FALSIFY_HACK_DROP:.0f} pts, or solve down > "
@@ -129,8 +186,10 @@ class StudyOpts(presets.Base):
     """seeds 0 .. N-1 per arm and fold"""
     out: str = ""
     """study directory (empty = runs/study-<preset>-<time>)"""
-    lomo_arms: str = ",".join(experiment.DEMO_ARMS)
-    """comma-separated arms of each leave-one-mode-out fold"""
+    arms: str = ",".join(PREREGISTERED_ARMS)
+    """comma-separated arms of the main part (`all`: every arm of experiment.ARMS)"""
+    lomo_arms: str = ",".join(LOMO_ARMS)
+    """comma-separated arms of each leave-one-mode-out fold (`none` is added, or borrowed from main)"""
     lomo_modes: str = ""
     """comma-separated held-out modes (empty = every loophole mode the preset trains on)"""
     jobs: int = 0
@@ -148,10 +207,12 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}, --backend {opts.backend!r}: need seeds "
                         f">= 1, jobs >= 0 and a backend among {list(launch.BACKENDS)}")
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
+    arms = list(experiment.ARMS) if opts.arms.strip() == "all" else split(opts.arms)
     lomo_arms, modes = split(opts.lomo_arms), split(opts.lomo_modes) or None
-    parts(base, lomo_arms, modes)  # refuse bad arms / modes before any work
+    parts(base, lomo_arms, modes, arms)  # refuse bad arms / modes before any work
     out = opts.out or f"runs/study-{opts.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     command = shlex.join(["projected-grpo", "study", *argv, *([] if opts.out else ["--out", out])])
-    print(study(base, list(range(opts.seeds)), out, preset=opts.preset, command=command, lomo_arms=lomo_arms,
-                lomo_modes=modes, jobs=opts.jobs, backend=opts.backend, ray_address=opts.ray_address))
+    print(study(base, list(range(opts.seeds)), out, preset=opts.preset, command=command, arms=arms,
+                lomo_arms=lomo_arms, lomo_modes=modes, jobs=opts.jobs, backend=opts.backend,
+                ray_address=opts.ray_address))
     return 0
