@@ -18,7 +18,10 @@ runs trained once as the study trains them, preregistered.trained_runs):
              when the two runs keep both cores busy (a run is one torch thread, and grades only while it
              waits), from CPU per step and per run overhead fitted on the 2- and --steps-step sides
 On shared cores the measured figures include other tenants' load: the CPU/wall column says how many
-cores the study's processes actually got.
+cores the study's processes actually got. Both projections scale a run's first --steps steps, which are
+slower than a 200-step run's average (completions shorten as the organism learns short hacks), so they
+overestimate: time the study itself (`projected-grpo study --preset demo --seeds 3 --jobs 2`) to answer
+the one-hour question.
 
     PYTHONPATH=src .venv/bin/python benchmarks/study_speedup.py [--steps 6] [--cache DIR]
 

@@ -151,7 +151,12 @@ def test_random_twin_arms_share_every_setting_but_the_direction(tmp_path):
     assert (real.proj.arm, real.proj.target, real.proj.control) == ("route", "update", "none")
     assert C.diff(real, twin, ignore=("run.dir",)) == ["proj.control: 'none' -> 'random'"]
     assert experiment.arm_sections("random_V") == experiment.arm_sections("erase@random")
-    for bad in ("none@random", "random_V@random", "gt_reward@random", "nope@random", "erase@randomx"):
+    assert experiment.arm_sections("shuffled_V") == experiment.arm_sections("erase@shuffled")
+    assert experiment.arm_sections("nonhack_V") == experiment.arm_sections("erase@nonhack")
+    assert experiment.arm_sections("route_update@shuffled")["proj"] == {"arm": "route", "control": "shuffled",
+                                                                      "target": "update"}
+    for bad in ("none@random", "random_V@random", "gt_reward@random", "nope@random", "erase@randomx",
+                "erase@", "shuffled_V@random", "route@shuffled@random"):
         assert experiment.arm_sections(bad) is None, bad
     with pytest.raises(UserError, match="unknown \\['none@random'\\]"):
         experiment.plan(presets.PRESETS["smoke"], ["none@random"], [0], tmp_path)

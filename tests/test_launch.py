@@ -70,7 +70,7 @@ def test_study_parts_are_the_preregistered_arms_then_one_fold_per_mode():
     from projected_grpo.envs.coding.problems import MODES
 
     assert [(p.name, p.lomo, p.arms, p.borrowed) for p in parts[1:]] == [
-        (f"lomo-{m}", m, ("none", "erase"), ()) for m in MODES]  # none asked for: trained in the fold
+        (f"lomo-{m}", m, ("none", "erase"), ("gt_reward",)) for m in MODES]  # none asked for: trained
     assert len(preregistered.parts(presets.SMOKE, ["none"])) == 1 + 6  # smoke: every mode
     assert len(preregistered.parts(presets.SMOKE, ["none"], ["sentinel"])) == 2
     maths = C.replace(presets.SMOKE, env={"name": "maths"})
@@ -83,12 +83,14 @@ def test_study_parts_are_the_preregistered_arms_then_one_fold_per_mode():
         preregistered.parts(presets.SMOKE, ["none"], ["nope"])
 
 
-def test_a_fold_borrows_mains_none_only_without_teacher_rows_in_training():
+def test_a_fold_borrows_mains_baselines_only_without_teacher_rows_in_training():
     default = preregistered.LOMO_ARMS
     assert default == ("erase", "random_V")  # the projection arm beside its random-V twin (issue 14 item 6)
-    # demo: mix 0, so holding a mode out changes only V_hack, which `none` does not use: main's runs
+    # demo: mix 0, so holding a mode out changes only V_hack and its pairs, which the baselines do not use
     (fold,) = preregistered.parts(presets.PRESETS["demo"], default, ["sentinel"])[1:]
-    assert fold.arms == default and fold.borrowed == ("none",)
+    assert fold.arms == default and fold.borrowed == ("none", "gt_reward")
+    (fold,) = preregistered.parts(presets.PRESETS["demo"], default, ["sentinel"], arms=["none", "erase"])[1:]
+    assert fold.borrowed == ("none",)  # only what main trains
     # demo-pool: teacher rows in the groups, and the fold's pool lacks the held-out mode: its own `none`
     (fold,) = preregistered.parts(presets.PRESETS["demo-pool"], default, ["sentinel"])[1:]
     assert fold.arms == ("none", *default) and fold.borrowed == ()
@@ -156,3 +158,22 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
     assert preregistered.main(argv) == 0  # resumes: every run finished, so all are skipped
     n = len(preregistered.PREREGISTERED_ARMS) + 2
     assert f"trained 0, resumed 0, skipped {n} as finished" in (out / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_study_without_teacher_rows_trains_equal_configs_once_and_folds_borrow_none(tmp_path, capsys):
+    out = tmp_path / "study"
+    argv = ["--preset", "smoke", "--rollout.mix", "0", "--seeds", "1", "--out", str(out), "--arms",
+            "none,erase,no_pool", "--lomo-modes", "sentinel", "--proj.pairs-per-problem", "2",
+            "--run.steps", "1", *SMALL[2:]]
+    assert preregistered.main(argv) == 0
+    md = (out / "report.md").read_text()
+    # 2 runs in main (no_pool is none's config at mix 0) + erase and random_V in the fold
+    assert "4 runs; this invocation trained 4" in md and not (out / "main" / "no_pool-s0").exists()
+    assert "| no_pool | 1 |" in md  # reported, with none's runs
+    assert "arms erase, random_V (borrowed from main: none)" in md and "| none (without sentinel)" not in md
+    # (gt_reward is not among --arms here, so only none is borrowed)
+    fold = (out / "lomo-sentinel" / "report.md").read_text()
+    assert "`none`: main's runs" in fold and str(out / "main" / "none-s0") in fold
+    sweep = json.loads((out / "main" / "sweep.json").read_text())
+    assert sweep["same"] == {"no_pool": "none"}

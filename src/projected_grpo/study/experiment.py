@@ -63,8 +63,11 @@ ARMS: dict[str, dict[str, dict]] = {
     "erase_update": {"proj": {"arm": "erase", "control": "none", "target": "update"}},
 }
 # `<arm>@random`: projection arm `<arm>` with a random V (direction.CONTROLS), every other setting the same:
-# the negative control the report compares the real V with ("real V vs random V"); random_V = erase@random
+# the negative control the report compares the real V with ("real V vs random V"); random_V = erase@random.
+# `<arm>@shuffled`, `<arm>@nonhack`: the same with the other V controls (shuffled_V = erase@shuffled), since
+# on the demo organism a V from shuffled pairs cuts hacking as erase does (docs/findings.md section 7.5)
 RANDOM_TWIN = "@random"
+TWINS: dict[str, str] = {RANDOM_TWIN: "random", "@shuffled": "shuffled", "@nonhack": "nonhack"}
 DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "gt_reward")
 # demo --task -> (preset, arms): math trains honestly (strict verifier), so one arm, no projection
 DEMO_TASKS: dict[str, tuple[str, tuple[str, ...]]] = {"code": ("demo", DEMO_ARMS),
@@ -91,16 +94,16 @@ class Run:
 
 
 def arm_sections(arm: str) -> dict[str, dict] | None:
-    """The config changes of `arm`: ARMS[arm], or for `<a>@random` those of projection arm `<a>` with
-    proj.control = random; None for an unknown arm."""
+    """The config changes of `arm`: ARMS[arm], or for `<a>@random` (any suffix of TWINS) those of projection
+    arm `<a>` with proj.control = random (shuffled, nonhack); None for an unknown arm."""
     if arm in ARMS:
         return {s: dict(kw) for s, kw in ARMS[arm].items()}
-    name = arm.removesuffix(RANDOM_TWIN)
-    if name == arm or name not in ARMS or ARMS[name]["proj"]["arm"] == "none" \
+    name, _, suffix = arm.rpartition("@")
+    if f"@{suffix}" not in TWINS or name not in ARMS or ARMS[name]["proj"]["arm"] == "none" \
             or ARMS[name]["proj"]["control"] != "none":
         return None
     sections = {s: dict(kw) for s, kw in ARMS[name].items()}
-    sections["proj"]["control"] = "random"
+    sections["proj"]["control"] = TWINS[f"@{suffix}"]
     return sections
 
 
@@ -301,7 +304,7 @@ class ExperimentOpts(presets.Base):
     arms: str = "none,erase,route"
     """comma-separated arms (experiment.ARMS): none, erase, route, random_V, shuffled_V, nonhack_V,
     gt_penalty, gt_reward, no_pool, ppo, dpo_then_grpo, route_update, ...; `<arm>@random` is a projection
-    arm with a random V"""
+    arm with a random V (`@shuffled`, `@nonhack`: with those controls' V)"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
     out: str = ""

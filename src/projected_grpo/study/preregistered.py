@@ -9,10 +9,10 @@ teacher pool and of V_hack's pairs; arms --lomo-arms, default erase beside its r
 planned as `experiment` plans a sweep (experiment.plan_sweep), then ALL runs go to one launch.run_all, so
 --jobs or --backend ray keep every core or node busy across parts. Nothing is trained twice: an arm whose
 runs would have the config of an earlier arm's (no_pool on a base without teacher rows is none) gets that
-arm's runs, and a fold without teacher rows in training borrows main's `none` (holding a mode out then
-changes only V_hack, which `none` does not use). Finished runs are skipped: rerunning the command resumes
-the study. Then each part gets its own report (report.py) and `report.md` at the top links them, with one
-table of every arm and fold. Not here: training, aggregation.
+arm's runs, and a fold without teacher rows in training borrows main's baselines `none` and `gt_reward`
+(holding a mode out then changes only V_hack and its pairs, which they do not use). Finished runs are
+skipped: rerunning the command resumes the study. Then each part gets its own report (report.py) and
+`report.md` at the top links them, with one table of every arm and fold. Not here: training, aggregation.
 """
 
 from __future__ import annotations
@@ -34,12 +34,15 @@ PREREGISTERED_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "sh
                                        "no_pool", "gt_reward")
 # each fold: the preregistered projection arm beside its random-V twin (issue 14 item 6)
 LOMO_ARMS: tuple[str, ...] = ("erase", "random_V")
+# what a fold's verdicts read besides its arms: H1's baseline and the yardstick (no projection, no pairs)
+BASELINES: tuple[str, ...] = ("none", "gt_reward")
 
 
 @dataclass(frozen=True)
 class Part:
     """One sweep of the study: its directory name, the held-out mode ("" for main), the arms it trains and
-    those whose runs it borrows from main (a fold's `none` when the base has no teacher rows in training)."""
+    those whose runs it borrows from main (a fold's baselines, when the base has no teacher rows in
+    training)."""
 
     name: str
     lomo: str
@@ -50,19 +53,21 @@ class Part:
 def parts(base: C.Config, lomo_arms: Sequence[str], lomo_modes: Sequence[str] | None = None,
           arms: Sequence[str] = PREREGISTERED_ARMS) -> list[Part]:
     """main (`arms`) and one leave-one-mode-out part per mode (lomo_modes, default: every loophole mode the
-    base trains on; none for an environment without loophole modes). A fold's H1 baseline is `none`: trained
-    in the fold when the base mixes teacher rows into its groups (the fold's pool differs), else borrowed
-    from main. Raises before any work when a part cannot run."""
+    base trains on; none for an environment without loophole modes). A fold's baselines (BASELINES: H1's
+    `none`, the yardstick `gt_reward`) are borrowed from main when the base has no teacher rows in training;
+    with teacher rows the fold's pool differs, so it trains its own `none`. Raises before any work when a
+    part cannot run."""
     out = [Part("main", "", tuple(arms))]
     if lomo_modes is None:
         from projected_grpo.envs.coding.problems import MODES
 
         lomo_modes = (base.env.modes or MODES) if base.env.name == "coding" else ()
-    borrow = "none" not in lomo_arms and "none" in arms and not base.rollout.G_t
-    fold_arms = tuple(lomo_arms) if borrow or "none" in lomo_arms else ("none", *lomo_arms)
+    # no teacher rows in training: a fold changes only V_hack and its pairs, which the baselines never read
+    borrow = () if base.rollout.G_t else tuple(a for a in BASELINES if a in arms and a not in lomo_arms)
+    fold_arms = tuple(lomo_arms) if "none" in (*borrow, *lomo_arms) else ("none", *lomo_arms)
     for mode in lomo_modes:
         experiment.lomo_known_modes(base, mode)
-        out.append(Part(f"lomo-{mode}", mode, fold_arms, ("none",) if borrow else ()))
+        out.append(Part(f"lomo-{mode}", mode, fold_arms, borrow))
     for part in out:  # unknown arms: refused now
         experiment.plan(base, part.arms, [0], pathlib.Path("."))
     return out
@@ -116,8 +121,8 @@ def study(base: C.Config, seeds: Sequence[int], out: str | pathlib.Path, *, pres
             dirs = {**{a: main_dirs[a] for a in part.borrowed}, **dirs}
             named = ", ".join(f"`{a}`" for a in part.borrowed)
             notes.append(f"{named}: main's runs. With no teacher rows in training (rollout.mix 0) holding a "
-                         "mode out changes only V_hack, which they do not use (their proj/* diagnostics are "
-                         "against main's V_hack)")
+                         "mode out changes only V_hack and its pairs, which they do not use (their proj/* "
+                         "diagnostics are against main's V_hack)")
         if not part.lomo:
             main_dirs = dirs
         store.write_json_atomic(out / part.name / "sweep.json", {
