@@ -2,7 +2,8 @@
 
 Forward: y = x·W_effᵀ + b with W_eff = W + ΔW merged by the caller (adapters.KnobLinear caches it), so a
 knob forward costs what the plain model's does. Backward: ∂L/∂x = ∂L/∂y·W_eff, and the knob gradient
-from the saved input (recomputed under checkpointing), never from an (N, T, R) forward intermediate:
+from what the forward kept (recomputed under checkpointing): the input x, or its thin projection x·Vhᵀ
+(x·Aᵀ) where that is narrower than x and suffices, never a second (N, T, d_out) branch:
   svd : ∂L/∂δS = Σ_tokens (x·Vhᵀ) ⊙ (∂L/∂y·U)  (R,)       or diag(Uᵀ·G·Vhᵀ), G = Σ_tokens ∂L/∂yᵀ·x
   lora: ∂L/∂B  = Σ_tokens (∂L/∂y)ᵀ·(x·Aᵀ)      (d_out, r)
 The svd knob takes the weight-gradient form when it costs fewer multiply-adds (full rank, many tokens).
