@@ -48,6 +48,30 @@ def test_verdict_lines_show_ours_and_real_vs_random(tmp_path):
     assert "random_V: FALSIFIED" in text  # 5 pts down
 
 
+def test_verdict_lines_say_whether_the_real_v_beats_the_shuffled_v(tmp_path):
+    # demo organism, findings 7.5: erase 0.023 vs shuffled_V 0.046 hack. By hand: erase hack 0.25 +- 0.05,
+    # shuffled_V 0.30 +- 0.05: 5 pts apart, combined SEM sqrt(5^2 + 5^2) = 7.1 pts: does NOT beat; random_V
+    # 0.55 +- 0: 30 pts apart, SEM 5.0: beats
+    runs = {"none": [write_run(tmp_path / f"n{i}", [0.6] * 6, [0.3] * 6) for i in range(2)],
+            "erase": [write_run(tmp_path / f"e{i}", [0.2 + i / 10] * 6, [0.35] * 6) for i in range(2)],
+            "random_V": [write_run(tmp_path / f"r{i}", [0.55] * 6, [0.3] * 6) for i in range(2)],
+            "shuffled_V": [write_run(tmp_path / f"s{i}", [0.25 + i / 10] * 6, [0.35] * 6) for i in range(2)]}
+    agg, start = report.aggregate(runs), report.aggregate(runs, "start")
+    text = "\n".join(report.verdict_lines(agg, start))
+    assert "ours: real V beats random V: hack -30.0 pts vs random_V (combined SEM 5.0 pts)" in text
+    assert "ours: real V does NOT beat shuffled V: hack -5.0 pts vs shuffled_V (combined SEM 7.1 pts)" in text
+    # a named twin: route_update against route_update@shuffled, passed as experiment.random_twins gives it
+    from projected_grpo.study import experiment
+
+    assert experiment.random_twins(["erase", "shuffled_V", "route", "route@shuffled"], "@shuffled") == {
+        "erase": "shuffled_V", "route": "route@shuffled"}
+    agg2 = {"none": agg["none"], "route": agg["erase"], "route@shuffled": agg["shuffled_V"]}
+    start2 = {"none": start["none"], "route": start["erase"], "route@shuffled": start["shuffled_V"]}
+    lines = report.verdict_lines(agg2, start2, {}, {"route": "route@shuffled"})
+    assert any("real V does NOT beat shuffled V: hack -5.0 pts vs route@shuffled" in ln for ln in lines)
+    assert not any("shuffled V" in ln for ln in report.verdict_lines(agg2, start2, {}, {}))  # none asked
+
+
 def test_verdict_is_on_the_deployed_model(tmp_path):
     # route's students sample with the quarantine knob on: hack 0.6 there, like none's, but 0.2 deployed.
     # H1 reads the deployed rates: 0.6 -> 0.2 = 40 pts down, solve 0.4 -> 0.35 = -5 pts: support

@@ -107,11 +107,13 @@ def arm_sections(arm: str) -> dict[str, dict] | None:
     return sections
 
 
-def random_twins(arms: Sequence[str]) -> dict[str, str]:
-    """arm -> its random-V twin among `arms` (`<arm>@random`; for erase also random_V)."""
-    out = {a: a + RANDOM_TWIN for a in arms if a + RANDOM_TWIN in arms}
-    if "erase" in arms and "erase" not in out and "random_V" in arms:
-        out["erase"] = "random_V"
+def random_twins(arms: Sequence[str], suffix: str = RANDOM_TWIN) -> dict[str, str]:
+    """arm -> its random-V twin among `arms` (`<arm>@random`; for erase also random_V). Another suffix of
+    TWINS gives that control's twins (`@shuffled`: `<arm>@shuffled`, for erase also shuffled_V)."""
+    out = {a: a + suffix for a in arms if a + suffix in arms}
+    named = f"{TWINS[suffix]}_V"  # erase's twin by its control's arm name: random_V, shuffled_V, nonhack_V
+    if "erase" in arms and "erase" not in out and named in arms:
+        out["erase"] = named
     return out
 
 
@@ -290,7 +292,7 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
         config_diff=C.diff(presets.PRESETS[preset], user_base),
         arm_overrides={a: describe_arm(a) for a in arms},
         command=command, elapsed_s=time.perf_counter() - t0, notes=notes, eval_start=eval_start,
-        twins=random_twins(arms), held_out=lomo)
+        twins=random_twins(arms), shuffled=random_twins(arms, "@shuffled"), held_out=lomo)
     return printed
 
 

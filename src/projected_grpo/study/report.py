@@ -152,15 +152,19 @@ def twins_in(arms: Sequence[str], twins: Mapping[str, str]) -> dict[str, str]:
 
 def verdict_lines(agg: Mapping[str, Mapping[str, Stat]],
                   start: Mapping[str, Mapping[str, Stat]] | None = None,
-                  twins: Mapping[str, str] | None = None) -> list[str]:
+                  twins: Mapping[str, str] | None = None,
+                  shuffled: Mapping[str, str] | None = None) -> list[str]:
     """Per arm: the preregistered word and why; then, labelled as ours, capability against gt_reward and
-    the arm's start, real V vs its random-V twin, and the goal beyond issue 14; notes last."""
+    the arm's start, real V vs its random-V twin, real V vs its shuffled-V twin (`shuffled`: arm -> twin,
+    default erase -> shuffled_V; on the demo organism a V from shuffled pairs cuts hacking as the real one
+    does, docs/findings.md 7.5), and the goal beyond issue 14; notes last."""
     if BASELINE not in agg:
         return [f"no H1 verdict: the sweep has no `{BASELINE}` arm to compare with"]
     if missing := _without_deploy(agg):
         return [f"no H1 verdict: the runs of {missing} have no {HACK} / {SOLVE} / {FORMAT} (written before "
                 "those were logged); rerun them in a new output directory"]
     twins = twins_in(list(agg), twins if twins is not None else {"erase": "random_V"})
+    shuffled = twins_in(list(agg), shuffled if shuffled is not None else {"erase": "shuffled_V"})
     gt = agg.get(POSITIVE)
     lines = []
     if gt is not None and start is not None and POSITIVE in start:
@@ -176,9 +180,11 @@ def verdict_lines(agg: Mapping[str, Mapping[str, Stat]],
         vr = V.vs_random(agg[arm], agg[twins[arm]], twins[arm]) if arm in twins else None
         met, why = V.goal(p, o, vr)
         lines.append(f"  ours: {o.line()}")
-        if vr is not None:
-            word = {True: "beats", False: "does NOT beat", None: "undecided against"}[vr.beats]
-            lines.append(f"  ours: real V {word} random V: {vr.why}")
+        for v, what in ((vr, "random V"), (V.vs_random(agg[arm], agg[shuffled[arm]], shuffled[arm])
+                                            if arm in shuffled else None, "shuffled V")):
+            if v is not None:
+                word = {True: "beats", False: "does NOT beat", None: "undecided against"}[v.beats]
+                lines.append(f"  ours: real V {word} {what}: {v.why}")
         lines.append(f"  ours: goal (H1 support, solve within 10 pts of gt_reward, beats random V): "
                      f"{'MET' if met else 'not met: ' + why}")
     fmt = {arm: stats[FORMAT].mean for arm, stats in agg.items()}
@@ -223,16 +229,18 @@ def results_table(agg: Mapping[str, Mapping[str, Stat]]) -> str:
 def write_report(out: str | os.PathLike, runs: Mapping[str, Sequence[str | os.PathLike]], *, title: str,
                  config_diff: Sequence[str], arm_overrides: Mapping[str, str], command: str, elapsed_s: float,
                  notes: Sequence[str] = (), twins: Mapping[str, str] | None = None, held_out: str = "",
-                 eval_start: Mapping[int, Mapping[str, float]] | None = None) -> tuple[pathlib.Path, str]:
+                 eval_start: Mapping[int, Mapping[str, float]] | None = None,
+                 shuffled: Mapping[str, str] | None = None) -> tuple[pathlib.Path, str]:
     """Aggregate `runs`, write `out`/curves.png and `out`/report.md; returns (report path, printed text).
-    twins: arm -> its random-V twin arm (default erase -> random_V), for "real V vs random V". held_out: the
+    twins: arm -> its random-V twin arm (default erase -> random_V), for "real V vs random V"; shuffled: the
+    same for "real V vs shuffled V" (default erase -> shuffled_V). held_out: the
     leave-one-mode-out mode, whose rates get a table of their own (every arm side by side). With
     `eval_start` (seed -> the starting model's eval/* rates) and runs that logged eval/*, also the held-out
     eval section and `out`/eval.png (eval_section)."""
     out = pathlib.Path(out)
     agg, start, agg_modes = aggregate(runs), aggregate(runs, "start"), aggregate_modes(runs)
     plot_curves(curves(runs, roll=ROLL), out / "curves.png", title, raw=curves(runs))
-    table, verdict = results_table(agg), verdict_lines(agg, start, twins)
+    table, verdict = results_table(agg), verdict_lines(agg, start, twins, shuffled)
     train_s = {a: [sum(float(r.get("time/step", 0.0)) for r in read_run(d)[1]) for d in dirs]
                for a, dirs in runs.items()}
     md = [f"# {title}", "", "Reproduce:", "", "```", command, "```", "",
