@@ -68,7 +68,9 @@ ARMS: dict[str, dict[str, dict]] = {
 # on the demo organism a V from shuffled pairs cuts hacking as erase does (docs/findings.md section 7.5)
 RANDOM_TWIN = "@random"
 TWINS: dict[str, str] = {RANDOM_TWIN: "random", "@shuffled": "shuffled", "@nonhack": "nonhack"}
-DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "gt_reward")
+# the demo: the seed's arms, the random-V and shuffled-V controls (on the demo organism a V from shuffled
+# pairs cuts hacking nearly as the real one does: docs/findings.md 7.5), the positive control
+DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "shuffled_V", "gt_reward")
 # demo --task -> (preset, arms): math trains honestly (strict verifier), so one arm, no projection
 DEMO_TASKS: dict[str, tuple[str, tuple[str, ...]]] = {"code": ("demo", DEMO_ARMS),
                                                       "math": ("math-demo", ("none",))}
@@ -332,8 +334,8 @@ class DemoOpts:
     held-out accuracy against step (eval.png)."""
 
     task: Literal["code", "math"] = "code"
-    """code: the loophole demo (arms none, erase, route, random_V, gt_reward); math: honest GRPO on
-    arithmetic, held-out accuracy against step"""
+    """code: the loophole demo (arms none, erase, route, random_V, shuffled_V, gt_reward); math: honest GRPO
+    on arithmetic, held-out accuracy against step"""
     out: str = ""
     """sweep directory (empty = runs/demo-<time>)"""
     seeds: int = 1
