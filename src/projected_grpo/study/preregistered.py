@@ -7,12 +7,13 @@ yardstick of "capability kept"; `--arms all` adds every other arm of experiment.
 `lomo-<mode>/` per loophole mode the base trains on (experiment.lomo_base: that mode held out of the
 teacher pool and of V_hack's pairs; arms --lomo-arms, default erase beside its random-V twin). Every part is
 planned as `experiment` plans a sweep (experiment.plan_sweep), then ALL runs go to one launch.run_all, so
---jobs or --backend ray keep every core or node busy across parts. Nothing is trained twice: an arm whose
-runs would have the config of an earlier arm's (no_pool on a base without teacher rows is none) gets that
-arm's runs, and a fold without teacher rows in training borrows main's baselines `none` and `gt_reward`
-(holding a mode out then changes only V_hack and its pairs, which they do not use). Finished runs are
-skipped: rerunning the command resumes the study. Then each part gets its own report (report.py) and
-`report.md` at the top links them, with one table of every arm and fold. Not here: training, aggregation.
+--jobs or --backend ray keep every core or node busy across parts. No run known to repeat another is
+trained: an arm whose runs would have the config of an earlier arm's (no_pool on a base without teacher
+rows is none) gets that arm's runs, and a fold without teacher rows in training borrows main's baselines
+`none` and `gt_reward` (holding a mode out then changes only V_hack and its pairs, which they do not use).
+Finished runs are skipped: rerunning the command resumes the study. Then each part gets its own report
+(report.py) and `report.md` at the top links them, with one table of every arm and fold. Not here:
+training, aggregation.
 """
 
 from __future__ import annotations
