@@ -160,9 +160,9 @@ def test_random_twin_arms_share_every_setting_but_the_direction(tmp_path):
         assert experiment.arm_sections(bad) is None, bad
     with pytest.raises(UserError, match="unknown \\['none@random'\\]"):
         experiment.plan(presets.PRESETS["smoke"], ["none@random"], [0], tmp_path)
-    assert experiment.random_twins(["none", "erase", "random_V", "route", "route@random"]) == {
+    assert experiment.control_twins(["none", "erase", "random_V", "route", "route@random"]) == {
         "route": "route@random", "erase": "random_V"}
-    assert experiment.random_twins(["erase", "erase@random", "random_V"]) == {"erase": "erase@random"}
+    assert experiment.control_twins(["erase", "erase@random", "random_V"]) == {"erase": "erase@random"}
 
 
 def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):

@@ -109,9 +109,9 @@ def arm_sections(arm: str) -> dict[str, dict] | None:
     return sections
 
 
-def random_twins(arms: Sequence[str], suffix: str = RANDOM_TWIN) -> dict[str, str]:
-    """arm -> its random-V twin among `arms` (`<arm>@random`; for erase also random_V). Another suffix of
-    TWINS gives that control's twins (`@shuffled`: `<arm>@shuffled`, for erase also shuffled_V)."""
+def control_twins(arms: Sequence[str], suffix: str = RANDOM_TWIN) -> dict[str, str]:
+    """arm -> its twin among `arms` with the control of `suffix` (a key of TWINS): `<arm>@random`, and for
+    erase also random_V by default; `@shuffled`: `<arm>@shuffled`, for erase also shuffled_V."""
     out = {a: a + suffix for a in arms if a + suffix in arms}
     named = f"{TWINS[suffix]}_V"  # erase's twin by its control's arm name: random_V, shuffled_V, nonhack_V
     if "erase" in arms and "erase" not in out and named in arms:
@@ -294,7 +294,7 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
         config_diff=C.diff(presets.PRESETS[preset], user_base),
         arm_overrides={a: describe_arm(a) for a in arms},
         command=command, elapsed_s=time.perf_counter() - t0, notes=notes, eval_start=eval_start,
-        twins=random_twins(arms), shuffled=random_twins(arms, "@shuffled"), held_out=lomo)
+        twins=control_twins(arms), shuffled=control_twins(arms, "@shuffled"), held_out=lomo)
     return printed
 
 

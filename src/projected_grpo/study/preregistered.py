@@ -145,18 +145,19 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
     rows: dict[str, list] = {}
     verdicts = []
     for part, _, by_arm, notes in planned:
-        twins = experiment.random_twins(part.arms)
+        twins = experiment.control_twins(part.arms)
+        shuffled = experiment.control_twins(part.arms, "@shuffled")
         n_seeds = len(next(iter(by_arm.values())))
         title = f"{preset} study, part {part.name}: {', '.join(part.arms)} x {n_seeds} seed(s)"
         report.write_report(out / part.name, by_arm, title=title, config_diff=diff,
                             arm_overrides={a: experiment.describe_arm(a) for a in by_arm}, command=command,
                             elapsed_s=elapsed_s, notes=notes, twins=twins, held_out=part.lomo,
-                            shuffled=experiment.random_twins(part.arms, "@shuffled"))
+                            shuffled=shuffled)
         label = (lambda a: a) if not part.lomo else (lambda a, m=part.lomo: f"{a} (without {m})")
         rows |= {label(a): dirs for a, dirs in by_arm.items() if a not in part.borrowed}
         verdicts += [f"### {part.name}", ""]
         lines = report.verdict_lines(report.aggregate(by_arm), report.aggregate(by_arm, "start"), twins,
-                                     experiment.random_twins(part.arms, "@shuffled"))
+                                     shuffled)
         verdicts += [f"- {v}" if not v.startswith("  ") else f"    - {v.strip()}" for v in lines]
         verdicts.append("")
     table = report.results_table(report.aggregate(rows))

@@ -180,8 +180,9 @@ def verdict_lines(agg: Mapping[str, Mapping[str, Stat]],
         vr = V.vs_random(agg[arm], agg[twins[arm]], twins[arm]) if arm in twins else None
         met, why = V.goal(p, o, vr)
         lines.append(f"  ours: {o.line()}")
-        for v, what in ((vr, "random V"), (V.vs_random(agg[arm], agg[shuffled[arm]], shuffled[arm])
-                                            if arm in shuffled else None, "shuffled V")):
+        vs_shuffled = V.vs_random(agg[arm], agg[shuffled[arm]], shuffled[arm]) if arm in shuffled else None
+        vs = {"random V": vr, "shuffled V": vs_shuffled}
+        for what, v in vs.items():
             if v is not None:
                 word = {True: "beats", False: "does NOT beat", None: "undecided against"}[v.beats]
                 lines.append(f"  ours: real V {word} {what}: {v.why}")
