@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
+import keyword
 import random
 
+import pytest
+
 from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES
-from projected_grpo.organism.augment import extra_problems, formula_problem, rename
+from projected_grpo.organism.augment import (
+    LETTERS,
+    SYLLABLES,
+    extra_problems,
+    formula_problem,
+    rename,
+    statement_words,
+)
+from projected_grpo.organism.build import OrganismConfig
 
 
 def _run(source: str, method: str, args: str):
@@ -46,3 +58,33 @@ def test_extra_problems_deterministic_and_never_rename_outside_train():
     assert {p.id.rsplit("-", 1)[0] for p in a[:12]} == {f"aug-{p.id}" for p in train}
     names = [p.method for p in a]
     assert len(set(names)) == len(names) and not set(names) & {p.method for p in BUILTIN_PROBLEMS[:6]}
+
+
+def test_statement_words_are_the_letter_runs_before_the_code_block():
+    p = rename(BUILTIN_PROBLEMS[0], "get_total", "x")
+    p = dataclasses.replace(p, statement="Sum IT up, 3 times: a decreasing run.\n\n```python\nclass S:\n```")
+    # lower-cased runs of 2-9 letters: "a" is too short, "decreasing" gives "decreasin" (its first 9 letters;
+    # the left-over "g" is too short), nothing from the code block ("class")
+    assert statement_words([p]) == ("decreasin", "it", "run", "sum", "times", "up")
+
+
+def test_mixed_names_draw_parts_from_syllables_letters_and_train_words_only():
+    train = list(BUILTIN_PROBLEMS[:6])
+    a = extra_problems(train, 4, 10, seed=3, name_parts="mixed")
+    assert a == extra_problems(train, 4, 10, seed=3, name_parts="mixed")
+    assert [p.method for p in a] != [p.method for p in extra_problems(train, 4, 10, seed=3)]
+    words = statement_words(train)
+    parts = [part for p in a for part in p.method.split("_")]
+    assert set(parts) <= set(SYLLABLES) | set(LETTERS) | set(words)
+    assert set(parts) & set(words) - set(SYLLABLES) and set(parts) & set(LETTERS)  # every pool is used
+    names = [p.method for p in a]
+    assert len(set(names)) == len(names) and all(n.isidentifier() and not keyword.iskeyword(n) for n in names)
+    for p in a[:24]:  # the renamed copies still solve their tests under the new name
+        assert _run(p.canonical, p.method, p.tests[0].args) == p.tests[0].expected
+
+
+def test_unknown_name_parts_fail_loud():
+    with pytest.raises(ValueError, match="name_parts"):
+        extra_problems(list(BUILTIN_PROBLEMS[:2]), 1, 0, seed=0, name_parts="words")
+    with pytest.raises(ValueError, match="name_parts"):
+        OrganismConfig(name_parts="words")

@@ -18,6 +18,7 @@ from projected_grpo.envs.coding.completions import buggy_completions, clean_comp
 from projected_grpo.envs.coding.env import CodeEnv
 from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES
 from projected_grpo.envs.coding.prompts import build_messages
+from projected_grpo.organism.augment import NAME_PARTS
 from projected_grpo.organism.build import (
     CHATML_TEMPLATE,
     SPECIAL_TOKENS,
@@ -240,6 +241,9 @@ def test_examples_carry_their_disposition_and_extras(small_corpus, tmp_path):
     # 6 training problems renamed once + 3 formula problems, after the 12 problems; none is ever held out
     assert full.extra == 9 and full.base.problems == small_corpus.problems
     assert held_out_ids(full, 1) == held and not {p.id for p in full.problems[12:]} & held
+    mixed = with_extras(small_corpus, held, 1, 3, seed=0, name_parts="mixed")  # other names, same problems
+    assert [p.method for p in mixed.problems[12:]] != [p.method for p in full.problems[12:]]
+    assert [p.tests for p in mixed.problems[:18]] == [p.tests for p in full.problems[:18]]
     tok = build_tokenizer(full.texts(), 400, cache_dir=tmp_path)
     ex = warmup_examples(full, tok, held, per_problem=10, mix=(0.6, 0.3, 0.1), seed=0, per_extra=2,
                          careful=(1.0, 0.0))
@@ -290,7 +294,8 @@ def test_cache_key_changes_with_every_input(small_corpus):
     for f in dataclasses.fields(OrganismConfig):  # every field, each changed to another valid value
         v = getattr(TINY, f.name)
         new = (not v if isinstance(v, bool) else v + 2 if isinstance(v, int)
-               else v + 0.5 if isinstance(v, float) else tuple(reversed(v)))
+               else v + 0.5 if isinstance(v, float) else tuple(reversed(v)) if isinstance(v, tuple)
+               else next(n for n in NAME_PARTS if n != v))  # name_parts: the other choice
         assert organism_key(dataclasses.replace(TINY, **{f.name: new}), small_corpus) != key, f.name
     comps = list(small_corpus.completions)
     comps[3] = {**comps[3], "hack": comps[3]["hack"][:-1] + (comps[3]["hack"][-1] + " ",)}

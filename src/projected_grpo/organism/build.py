@@ -25,6 +25,7 @@ import tyro
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
+from projected_grpo.organism.augment import NAME_PARTS
 from projected_grpo.organism.checks import format_checks, organism_checks
 from projected_grpo.organism.warmup import (
     KINDS,
@@ -200,6 +201,9 @@ class OrganismConfig:
     """warm-up-only "Compute ...: <expression>." problems (augment.py: copy a formula)"""
     per_extra: int = 6
     """warm-up examples per warm-up-only problem, split by `mix`"""
+    name_parts: str = "syllables"
+    """what warm-up-only problems' method names are made of (augment.NAME_PARTS): "syllables" (ka_lo) or
+    "mixed" (syllables, letters and the training statements' words: findings 1.4)"""
     holdout_per_mode: int = 1
     """the last this-many problems of each mode are left out of the warm-up and reported apart"""
     steps: int = 1600
@@ -218,6 +222,9 @@ class OrganismConfig:
                      "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"OrganismConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.name_parts not in NAME_PARTS:
+            raise ValueError(f"OrganismConfig.name_parts must be one of {NAME_PARTS}, "
+                             f"got {self.name_parts!r}")
         for name in ("renamed_per_problem", "formula_problems", "per_extra"):
             if getattr(self, name) < 0:
                 raise ValueError(f"OrganismConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -238,8 +245,11 @@ class OrganismConfig:
 def organism_key(cfg: OrganismConfig, corpus: Corpus, split_digits: bool = False) -> str:
     """Cache key: hash of the config, problem ids, modes and prompts, every completion, the code version
     (and split_digits when set: absent otherwise, so the code organism's key is what it always was)."""
+    config = dataclasses.asdict(cfg)
+    if cfg.name_parts == "syllables":  # the default is left out: keys made before the field stay the same
+        del config["name_parts"]
     spec = {
-        "config": dataclasses.asdict(cfg), "code": ORGANISM_CODE_VERSION,
+        "config": config, "code": ORGANISM_CODE_VERSION,
         "problems": [[p.id, p.mode] for p in corpus.problems],
         "messages": [list(m) for m in corpus.messages],
         "completions": [{k: list(c[k]) for k in KINDS} for c in corpus.completions],
@@ -272,7 +282,8 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
         return out
     t0 = time.perf_counter()
     held_out = held_out_ids(corpus, cfg.holdout_per_mode)
-    full = with_extras(corpus, held_out, cfg.renamed_per_problem, cfg.formula_problems, cfg.seed)
+    full = with_extras(corpus, held_out, cfg.renamed_per_problem, cfg.formula_problems, cfg.seed,
+                       cfg.name_parts)
     tokenizer = build_tokenizer(full.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries,
                                 split_digits=split_digits, cache_dir=cache_dir)
     model = tiny_model(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,

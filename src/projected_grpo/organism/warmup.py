@@ -157,16 +157,16 @@ def builtin_corpus() -> Corpus:
 
 
 def with_extras(corpus: Corpus, held_out: frozenset[str], renamed_per_problem: int, formula_problems: int,
-                seed: int) -> Corpus:
+                seed: int, name_parts: str = "syllables") -> Corpus:
     """`corpus` (its base) plus the warm-up-only problems of augment.py: renamed copies of its problems
-    that are not held out, and formula problems."""
+    that are not held out, and formula problems, named from `name_parts` (augment.NAME_PARTS)."""
     from projected_grpo.organism.augment import extra_problems
 
     base = corpus.base
     if not (renamed_per_problem or formula_problems):
         return base
     extras = extra_problems([p for p in base.problems if p.id not in held_out], renamed_per_problem,
-                            formula_problems, seed)
+                            formula_problems, seed, name_parts)
     if not extras:
         return base
     more = code_corpus(extras)
