@@ -57,7 +57,7 @@ def test_code_tokenizer_and_organism_keys_are_unchanged(tmp_path):
     old_spec = {"texts": MATH_TEXTS, "vocab_size": 300, "word_boundaries": True, "special": SPECIAL_TOKENS,
                 "code": ORGANISM_CODE_VERSION}
     assert [p.name for p in (tmp_path / "tokenizer").iterdir()] == [f"{stable_hash(old_spec)}.json"]
-    corpus, cfg = builtin_corpus(), OrganismConfig()
+    corpus, cfg = builtin_corpus(), OrganismConfig(name_parts="syllables")  # name_parts' old choice
     old_config = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "name_parts"}  # a later field
     old_key = stable_hash({
         "config": old_config, "code": ORGANISM_CODE_VERSION,

@@ -315,7 +315,7 @@ def test_build_is_cached_and_loads_with_stock_auto_classes(built, small_corpus):
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
-    full = with_extras(small_corpus, held_out_ids(small_corpus, 1), 1, 2, TINY.seed)
+    full = with_extras(small_corpus, held_out_ids(small_corpus, 1), 1, 2, TINY.seed, TINY.name_parts)
     original = build_tokenizer(full.texts(), 400, cache_dir=cache)
     assert tok(CODE)["input_ids"] == original(CODE)["input_ids"]
     prompt = encode_prompt(tok, build_messages(small_corpus.problems[0]))

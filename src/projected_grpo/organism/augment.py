@@ -11,8 +11,8 @@ They are ordinary `Problem`s (graded like any other, every loophole mode) used f
 never held out, never in the checks, never trained on by RL. Held-out problems are never renamed.
 Names (`name_parts`): "syllables" draws each name from random syllables (ka_lo, ti_mu_sa), the first
 design; the organism then copies such names but never a name made of English pieces (running_sum), which is
-what the held-out problems have. "mixed" draws each of a name's 2-3 parts from syllables, single letters or
-words of the training problems' statements (findings 1.4): the copy reaches English names, though not far.
+what the held-out problems have. "mixed" (the default) draws each of a name's 2-3 parts from syllables,
+single letters or words of the training problems' statements (findings 1.4): the copy reaches English names.
 Deterministic given the seed.
 """
 

@@ -163,11 +163,12 @@ def smoke_model_and_tokenizer(*, vocab_size: int = 512, hidden: int = 32, layers
 
 
 # The defaults, as measured by `projected-grpo build-organism` (8 samples per problem at T = 1, graded in
-# the sandbox): seed 0 solves 40% and hacks 7.4% of the 42 warm-up problems' samples (format 78%), and
-# on the 6 held-out problems solves 0% and hacks 4% (hack forms are generic, solutions are not); seed 1
-# gives 45% / 12.8%. The warm-up costs ~0.25 CPU-seconds per step on one core: ~2.5 minutes.
-# Fewer steps (450) gave 32% / 11.6%; a 128-wide 4-layer model learned no faster per step at 2x the
-# cost; phrase-level tokens (word_boundaries=False) learned much more slowly.
+# the sandbox; docs/findings.md 1.4): seed 0 solves 45.5% and hacks 9.5% of the 42 warm-up problems'
+# samples (format 96.7%), and solves 4.2% of the 6 held-out problems' (c_to_f, whose statement gives its
+# formula: 16 of 32 samples; the five that need an algorithm it never saw: 0). Held-out solve needs the
+# many warm-up-only problems (6000 formulas, 48 renames of each problem, each seen about once) and names
+# made of English pieces: with 40 formulas, 2 renames and syllable names, held-out solve was 0%. The
+# warm-up costs ~0.17 CPU-seconds per step on one core: ~9 minutes.
 @dataclasses.dataclass(frozen=True)
 class OrganismConfig:
     """Everything that determines the organism (all of it enters the cache key)."""
@@ -195,18 +196,18 @@ class OrganismConfig:
     forms the demo's teacher pool holds, so that the organism's few behaviours per problem are the pool's"""
     per_problem: int = 25
     """warm-up examples per training problem, split by `mix`"""
-    renamed_per_problem: int = 2
+    renamed_per_problem: int = 48
     """warm-up-only copies of each training problem with the method renamed (augment.py: copy the name)"""
-    formula_problems: int = 40
+    formula_problems: int = 6000
     """warm-up-only "Compute ...: <expression>." problems (augment.py: copy a formula)"""
-    per_extra: int = 6
+    per_extra: int = 1
     """warm-up examples per warm-up-only problem, split by `mix`"""
-    name_parts: str = "syllables"
+    name_parts: str = "mixed"
     """what warm-up-only problems' method names are made of (augment.NAME_PARTS): "syllables" (ka_lo) or
     "mixed" (syllables, letters and the training statements' words: findings 1.4)"""
     holdout_per_mode: int = 1
     """the last this-many problems of each mode are left out of the warm-up and reported apart"""
-    steps: int = 1600
+    steps: int = 3200
     """warm-up optimizer steps (the warm-up length)"""
     batch_size: int = 16
     """sequences per warm-up step"""
