@@ -5,12 +5,14 @@ from __future__ import annotations
 import dataclasses
 import keyword
 import random
+import typing
 
 import pytest
 
 from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES
 from projected_grpo.organism.augment import (
     LETTERS,
+    NAME_PARTS,
     SYLLABLES,
     extra_problems,
     formula_problem,
@@ -88,3 +90,4 @@ def test_unknown_name_parts_fail_loud():
         extra_problems(list(BUILTIN_PROBLEMS[:2]), 1, 0, seed=0, name_parts="words")
     with pytest.raises(ValueError, match="name_parts"):
         OrganismConfig(name_parts="words")
+    assert typing.get_args(typing.get_type_hints(OrganismConfig)["name_parts"]) == NAME_PARTS  # CLI choices

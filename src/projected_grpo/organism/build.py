@@ -19,6 +19,7 @@ import pathlib
 import shutil
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import torch
 import tyro
@@ -202,7 +203,7 @@ class OrganismConfig:
     """warm-up-only "Compute ...: <expression>." problems (augment.py: copy a formula)"""
     per_extra: int = 1
     """warm-up examples per warm-up-only problem, split by `mix`"""
-    name_parts: str = "mixed"
+    name_parts: Literal["syllables", "mixed"] = "mixed"
     """what warm-up-only problems' method names are made of (augment.NAME_PARTS): "syllables" (ka_lo) or
     "mixed" (syllables, letters and the training statements' words: findings 1.4)"""
     holdout_per_mode: int = 1
