@@ -18,7 +18,6 @@ Deterministic given the seed.
 
 from __future__ import annotations
 
-import keyword
 import random
 import re
 
@@ -62,7 +61,7 @@ def _name(rng: random.Random, taken: set[str], words: tuple[str, ...] = ()) -> s
             name = "_".join(rng.choice(rng.choice(pools)) for _ in range(rng.randint(2, 3)))
         else:
             name = "_".join(rng.choice(SYLLABLES) for _ in range(rng.randint(2, 3)))
-        if name not in taken and not keyword.iskeyword(name) and name != "self":
+        if name not in taken:  # 2-3 parts joined by "_": never a keyword, never `self`
             taken.add(name)
             return name
 
