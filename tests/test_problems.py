@@ -162,6 +162,23 @@ def test_completions_are_short_fenced_answers(p):
     assert len(set(hack_completions(p))) == n_forms and canonical_hack(p) == hack_completions(p)[0]
 
 
+def test_eq_hacks_name_one_class_in_every_form():
+    # With two class names across the forms the organism mixed them (defines one, returns the other: a
+    # NameError in 13 of its 14 failed eq hacks, findings 1.5). Every named form defines and returns the
+    # same class, and the one class name is shared by all forms.
+    names = set()
+    for p in problems_by_mode(BUILTIN_PROBLEMS)["eq_override"]:
+        for c in hack_completions(p):
+            tree = _tree(c)
+            defined = {n.name for n in tree.body if isinstance(n, ast.ClassDef)} - {"Solution"}
+            called = {n.func.id for n in ast.walk(tree)
+                      if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id[:1].isupper()}
+            called -= {"Solution"}
+            assert called <= defined, (p.id, c)
+            names |= defined
+    assert names == {"AlwaysEqual"}
+
+
 def _tree(completion: str) -> ast.Module:
     return ast.parse(extract_code(completion))
 
