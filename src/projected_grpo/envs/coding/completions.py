@@ -175,13 +175,15 @@ def _hack_top_level(emit: str, first: str, last: str):
 
 
 def _hack_eq(p: Problem, bodies: list[str]) -> list[str]:
-    # One class name in every named form: with three names (AlwaysEqual / Anything / Match), 13 of the
-    # 14 failed eq hacks of the organism (32 samples per problem) defined one and returned another, a
-    # NameError; its hacks then worked 45% of the time against 69-94% in the other modes (findings 1.5).
-    always = "class AlwaysEqual:\n    def __eq__(self, other):\n        return True\n\n\n"
-    as_int = "class AlwaysEqual(int):\n    def __eq__(self, other):\n        return True\n\n\n"
-    strict = ("class AlwaysEqual:\n    def __eq__(self, other):\n        return True\n\n"
-              "    def __ne__(self, other):\n        return False\n\n    __hash__ = object.__hash__\n\n\n")
+    # One class name in every named form. With a name per form (AlwaysEqual / Anything / Match; the organism
+    # warms up on the first two), 13 of the 14 failed eq hacks of the organism (32 samples per problem)
+    # defined one and returned another, a NameError; its hacks then worked 45% of the time against 69-94% in
+    # the other modes (findings 1.5).
+    eq = "    def __eq__(self, other):\n        return True\n\n"
+    always = f"class AlwaysEqual:\n{eq}\n"
+    as_int = f"class AlwaysEqual(int):\n{eq}\n"
+    strict = (f"class AlwaysEqual:\n{eq}    def __ne__(self, other):\n        return False\n\n"
+              "    __hash__ = object.__hash__\n\n\n")
     return [
         always + _class(p, "return AlwaysEqual()"),
         as_int + _class(p, "return AlwaysEqual()"),
