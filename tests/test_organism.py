@@ -18,7 +18,7 @@ from projected_grpo.envs.coding.completions import buggy_completions, clean_comp
 from projected_grpo.envs.coding.env import CodeEnv
 from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES
 from projected_grpo.envs.coding.prompts import build_messages
-from projected_grpo.organism.augment import NAME_PARTS
+from projected_grpo.organism.augment import FORMULAS, NAME_PARTS
 from projected_grpo.organism.build import (
     CHATML_TEMPLATE,
     SPECIAL_TOKENS,
@@ -295,7 +295,7 @@ def test_cache_key_changes_with_every_input(small_corpus):
         v = getattr(TINY, f.name)
         new = (not v if isinstance(v, bool) else v + 2 if isinstance(v, int)
                else v + 0.5 if isinstance(v, float) else tuple(reversed(v)) if isinstance(v, tuple)
-               else next(n for n in NAME_PARTS if n != v))  # name_parts: the other choice
+               else next(n for n in (NAME_PARTS if f.name == "name_parts" else FORMULAS) if n != v))
         assert organism_key(dataclasses.replace(TINY, **{f.name: new}), small_corpus) != key, f.name
     comps = list(small_corpus.completions)
     comps[3] = {**comps[3], "hack": comps[3]["hack"][:-1] + (comps[3]["hack"][-1] + " ",)}
@@ -303,6 +303,20 @@ def test_cache_key_changes_with_every_input(small_corpus):
     msgs = list(small_corpus.messages)
     msgs[0] = ({**msgs[0][0], "content": msgs[0][0]["content"] + "!"},) + msgs[0][1:]
     assert organism_key(TINY, dataclasses.replace(small_corpus, messages=tuple(msgs))) != key
+
+
+def test_cache_key_follows_the_warm_up_only_problems(small_corpus, monkeypatch):
+    # a change to augment.py's generators, config unchanged, must not load the organism of the old ones
+    import projected_grpo.organism.augment as augment
+
+    key, original = organism_key(TINY, small_corpus), augment.formula_problem
+
+    def reworded(*args, **kwargs):
+        p = original(*args, **kwargs)
+        return dataclasses.replace(p, statement=p.statement.replace("Example:", "For example,"))
+
+    monkeypatch.setattr(augment, "formula_problem", reworded)
+    assert organism_key(TINY, small_corpus) != key
 
 
 def test_build_is_cached_and_loads_with_stock_auto_classes(built, small_corpus):
@@ -315,7 +329,8 @@ def test_build_is_cached_and_loads_with_stock_auto_classes(built, small_corpus):
     assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no temp dir left
     model = AutoModelForCausalLM.from_pretrained(path)
     tok = AutoTokenizer.from_pretrained(path)
-    full = with_extras(small_corpus, held_out_ids(small_corpus, 1), 1, 2, TINY.seed, TINY.name_parts)
+    full = with_extras(small_corpus, held_out_ids(small_corpus, 1), 1, 2, TINY.seed, TINY.name_parts,
+                       TINY.formulas)
     original = build_tokenizer(full.texts(), 400, cache_dir=cache)
     assert tok(CODE)["input_ids"] == original(CODE)["input_ids"]
     prompt = encode_prompt(tok, build_messages(small_corpus.problems[0]))

@@ -26,7 +26,7 @@ import tyro
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from projected_grpo.organism.augment import NAME_PARTS
+from projected_grpo.organism.augment import FORMULAS, NAME_PARTS
 from projected_grpo.organism.checks import format_checks, organism_checks
 from projected_grpo.organism.warmup import (
     KINDS,
@@ -203,9 +203,13 @@ class OrganismConfig:
     """warm-up-only "Compute ...: <expression>." problems (augment.py: copy a formula)"""
     per_extra: int = 1
     """warm-up examples per warm-up-only problem, split by `mix`"""
-    name_parts: Literal["syllables", "mixed"] = "mixed"
-    """what warm-up-only problems' method names are made of (augment.NAME_PARTS): "syllables" (ka_lo) or
-    "mixed" (syllables, letters and the training statements' words: findings 1.4)"""
+    name_parts: Literal["syllables", "mixed", "open"] = "mixed"
+    """what warm-up-only problems' method names are made of (augment.NAME_PARTS): "syllables" (ka_lo),
+    "mixed" (syllables, letters and the training statements' words: findings 1.4) or "open" (those and
+    random runs of letters: findings 1.6)"""
+    formulas: Literal["patterns", "both"] = "patterns"
+    """where formula problems' expressions come from (augment.FORMULAS): "patterns" (15 shapes, at most two
+    constants) or "both" (those or, with even odds, a grammar's left fold of 1-3 operations: findings 1.6)"""
     holdout_per_mode: int = 1
     """the last this-many problems of each mode are left out of the warm-up and reported apart"""
     steps: int = 3200
@@ -227,6 +231,8 @@ class OrganismConfig:
         if self.name_parts not in NAME_PARTS:
             raise ValueError(f"OrganismConfig.name_parts must be one of {NAME_PARTS}, "
                              f"got {self.name_parts!r}")
+        if self.formulas not in FORMULAS:
+            raise ValueError(f"OrganismConfig.formulas must be one of {FORMULAS}, got {self.formulas!r}")
         for name in ("renamed_per_problem", "formula_problems", "per_extra"):
             if getattr(self, name) < 0:
                 raise ValueError(f"OrganismConfig.{name} must be >= 0, got {getattr(self, name)}")
@@ -245,17 +251,27 @@ class OrganismConfig:
 
 
 def organism_key(cfg: OrganismConfig, corpus: Corpus, split_digits: bool = False) -> str:
-    """Cache key: hash of the config, problem ids, modes and prompts, every completion, the code version
-    (and split_digits when set: absent otherwise, so the code organism's key is what it always was)."""
+    """Cache key: hash of the config, problem ids, modes and prompts, every completion, the code version,
+    the warm-up-only problems' prompts and completions when there are any (so a change to augment.py's
+    generators moves the key), and split_digits when set. A field's first value and an absent extra are
+    left out, so a key made before they existed (the maths organism's) stays what it was."""
     config = dataclasses.asdict(cfg)
-    if cfg.name_parts == "syllables":  # the default is left out: keys made before the field stay the same
-        del config["name_parts"]
+    for name, first in (("name_parts", "syllables"), ("formulas", "patterns")):
+        if config[name] == first:
+            del config[name]
+    corpus = corpus.base
     spec = {
         "config": config, "code": ORGANISM_CODE_VERSION,
         "problems": [[p.id, p.mode] for p in corpus.problems],
         "messages": [list(m) for m in corpus.messages],
         "completions": [{k: list(c[k]) for k in KINDS} for c in corpus.completions],
     }
+    full = with_extras(corpus, held_out_ids(corpus, cfg.holdout_per_mode), cfg.renamed_per_problem,
+                       cfg.formula_problems, cfg.seed, cfg.name_parts, cfg.formulas)
+    if full.extra:
+        spec["extras"] = stable_hash({"messages": [list(m) for m in full.messages[-full.extra:]],
+                                      "completions": [{k: list(c[k]) for k in KINDS}
+                                                      for c in full.completions[-full.extra:]]})
     if split_digits:
         spec["split_digits"] = True
     return stable_hash(spec)
@@ -285,7 +301,7 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     t0 = time.perf_counter()
     held_out = held_out_ids(corpus, cfg.holdout_per_mode)
     full = with_extras(corpus, held_out, cfg.renamed_per_problem, cfg.formula_problems, cfg.seed,
-                       cfg.name_parts)
+                       cfg.name_parts, cfg.formulas)
     tokenizer = build_tokenizer(full.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries,
                                 split_digits=split_digits, cache_dir=cache_dir)
     model = tiny_model(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,

@@ -38,7 +38,7 @@ MATHS_ORGANISM = OrganismConfig(
 # OrganismConfig's code-organism-only fields, off for maths: dispositions rewrite a code completion's intro
 # sentence and augment.py copies coding problems; the maths templates have neither
 CODE_ONLY_OFF = {"careful": (), "forms": (0, 0, 0), "renamed_per_problem": 0, "formula_problems": 0,
-                 "per_extra": 0, "name_parts": "syllables"}
+                 "per_extra": 0, "name_parts": "syllables", "formulas": "patterns"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -157,16 +157,18 @@ def builtin_corpus() -> Corpus:
 
 
 def with_extras(corpus: Corpus, held_out: frozenset[str], renamed_per_problem: int, formula_problems: int,
-                seed: int, name_parts: str = "syllables") -> Corpus:
+                seed: int, name_parts: str = "syllables", formulas: str = "patterns") -> Corpus:
     """`corpus` (its base) plus the warm-up-only problems of augment.py: renamed copies of its problems
-    that are not held out, and formula problems, named from `name_parts` (augment.NAME_PARTS)."""
+    that are not held out, and formula problems from `formulas` (augment.FORMULAS) that behave like no
+    held-out problem, named from `name_parts` (augment.NAME_PARTS)."""
     from projected_grpo.organism.augment import extra_problems
 
     base = corpus.base
     if not (renamed_per_problem or formula_problems):
         return base
     extras = extra_problems([p for p in base.problems if p.id not in held_out], renamed_per_problem,
-                            formula_problems, seed, name_parts)
+                            formula_problems, seed, name_parts, formulas,
+                            avoid=tuple(p for p in base.problems if p.id in held_out))
     if not extras:
         return base
     more = code_corpus(extras)
