@@ -184,9 +184,9 @@ def extra_problems(train: list[Problem], renamed_per_problem: int, n_formula: in
                    name_parts: str = "syllables", formulas: str = "patterns",
                    avoid: tuple[Problem, ...] = ()) -> list[Problem]:
     """`renamed_per_problem` renamed copies of each of `train` (the warm-up problems, held-out ones excluded
-    by the caller), then `n_formula` formula problems from `formulas` (FORMULAS) that behave like none of
-    `avoid` (the held-out problems); ids prefixed "aug-"; names from `name_parts` (NAME_PARTS; "mixed" and
-    "open" take their words from `train`'s statements only)."""
+    by the caller), then `n_formula` formula problems from `formulas` (FORMULAS), a grammar expression that
+    behaves like one of `avoid` (the held-out problems) drawn again; ids prefixed "aug-"; names from
+    `name_parts` (NAME_PARTS; "mixed" and "open" take their words from `train`'s statements only)."""
     if name_parts not in NAME_PARTS:
         raise ValueError(f"extra_problems: name_parts must be one of {NAME_PARTS}, got {name_parts!r}")
     if formulas not in FORMULAS:

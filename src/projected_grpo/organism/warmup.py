@@ -159,8 +159,8 @@ def builtin_corpus() -> Corpus:
 def with_extras(corpus: Corpus, held_out: frozenset[str], renamed_per_problem: int, formula_problems: int,
                 seed: int, name_parts: str = "syllables", formulas: str = "patterns") -> Corpus:
     """`corpus` (its base) plus the warm-up-only problems of augment.py: renamed copies of its problems
-    that are not held out, and formula problems from `formulas` (augment.FORMULAS) that behave like no
-    held-out problem, named from `name_parts` (augment.NAME_PARTS)."""
+    that are not held out, and formula problems from `formulas` (augment.FORMULAS; a grammar expression that
+    behaves like a held-out problem is drawn again), named from `name_parts` (augment.NAME_PARTS)."""
     from projected_grpo.organism.augment import extra_problems
 
     base = corpus.base
