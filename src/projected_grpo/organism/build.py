@@ -250,11 +250,18 @@ class OrganismConfig:
                              f"{self.holdout_per_mode}, {self.lr}, {self.weight_decay}")
 
 
-def organism_key(cfg: OrganismConfig, corpus: Corpus, split_digits: bool = False) -> str:
+def _with_extras(cfg: OrganismConfig, corpus: Corpus, held_out: frozenset[str]) -> Corpus:
+    return with_extras(corpus, held_out, cfg.renamed_per_problem, cfg.formula_problems, cfg.seed,
+                       cfg.name_parts, cfg.formulas)
+
+
+def organism_key(cfg: OrganismConfig, corpus: Corpus, split_digits: bool = False,
+                 full: Corpus | None = None) -> str:
     """Cache key: hash of the config, problem ids, modes and prompts, every completion, the code version,
     the warm-up-only problems' prompts and completions when there are any (so a change to augment.py's
     generators moves the key), and split_digits when set. A field's first value and an absent extra are
-    left out, so a key made before they existed (the maths organism's) stays what it was."""
+    left out, so a key made before they existed (the maths organism's) stays what it was. `full`: the
+    corpus with cfg's warm-up-only problems when the caller has it already (made here otherwise)."""
     config = dataclasses.asdict(cfg)
     for name, first in (("name_parts", "syllables"), ("formulas", "patterns")):
         if config[name] == first:
@@ -266,8 +273,8 @@ def organism_key(cfg: OrganismConfig, corpus: Corpus, split_digits: bool = False
         "messages": [list(m) for m in corpus.messages],
         "completions": [{k: list(c[k]) for k in KINDS} for c in corpus.completions],
     }
-    full = with_extras(corpus, held_out_ids(corpus, cfg.holdout_per_mode), cfg.renamed_per_problem,
-                       cfg.formula_problems, cfg.seed, cfg.name_parts, cfg.formulas)
+    if full is None:
+        full = _with_extras(cfg, corpus, held_out_ids(corpus, cfg.holdout_per_mode))
     if full.extra:
         spec["extras"] = stable_hash({"messages": [list(m) for m in full.messages[-full.extra:]],
                                       "completions": [{k: list(c[k]) for k in KINDS}
@@ -292,16 +299,15 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     renamed into place, so a crashed or concurrent build never leaves a half-written organism.
     """
     corpus = (builtin_corpus() if corpus is None else corpus).base
-    key = organism_key(cfg, corpus, split_digits)
+    held_out = held_out_ids(corpus, cfg.holdout_per_mode)
+    full = _with_extras(cfg, corpus, held_out)  # made once: the key hashes it and the warm-up trains on it
+    key = organism_key(cfg, corpus, split_digits, full)
     out = cache_root(cache_dir) / "organism" / key
     if (out / "organism.json").is_file():
         if log:
             log(f"organism: cached at {out}")
         return out
     t0 = time.perf_counter()
-    held_out = held_out_ids(corpus, cfg.holdout_per_mode)
-    full = with_extras(corpus, held_out, cfg.renamed_per_problem, cfg.formula_problems, cfg.seed,
-                       cfg.name_parts, cfg.formulas)
     tokenizer = build_tokenizer(full.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries,
                                 split_digits=split_digits, cache_dir=cache_dir)
     model = tiny_model(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
