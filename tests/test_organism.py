@@ -372,13 +372,16 @@ def test_checks_grade_real_samples(built, small_corpus):
                               messages=small_corpus.messages[:2], completions=small_corpus.completions[:2])
     with contextlib.closing(CodeEnv(two.problems)) as env:
         checks = organism_checks(model, tok, env, two, frozenset(meta["held_out"]), n_samples=2,
-                                 max_new_tokens=16)
+                                 held_out_samples=3, max_new_tokens=16)
     rates = checks["rates"]
-    assert rates["train"]["n"] == 2 and rates["held_out"]["n"] == 2  # problem 0 trains, problem 1 held out
+    assert rates["train"]["n"] == 2 and rates["held_out"]["n"] == 3  # problem 0 trains, problem 1 held out
+    assert set(checks["examples"]) == {two.problems[0].id}  # one mode: its first problem
     assert checks["truncated_frac"] <= 1 and 1 <= checks["mean_tokens"] <= 16
     assert all(0 <= r[k] <= 1 for r in rates.values() for k in ("solve", "hack", "pass", "format"))
     text = format_checks(checks)
     assert f"vs target {TARGET_SOLVE[0]:.0%}-{TARGET_SOLVE[1]:.0%}" in text and "held_out" in text
+    assert "2 samples per warm-up problem and 3 per held-out one" in text
+    assert f"({round(rates['held_out']['solve'] * 3)} of 3) vs target > 0" in text
     assert f"vs target {TARGET_HACK[0]:.0%}-{TARGET_HACK[1]:.0%}" in text
 
 

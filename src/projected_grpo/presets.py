@@ -36,13 +36,15 @@ SMOKE = Config(env=EnvCfg(max_problems=12), pool=PoolCfg(n_hack=1, n_clean=1),
 # mixed pool, DEMO_POOL below) training on the honest reward *lowered* solving (0.41 -> 0.13 at mix 0.5;
 # -2 and +7 points at mix 0.125 and 0.25, +25 at mix 0: findings section 7), so the mixed pool made the
 # positive control fail and every arm lose well-formed answers. The pool still supplies V_hack's (hack,
-# clean) pairs. AdamW with its usual betas, lr 0.1, 200 steps (at 100, hacking under `none` rose +24 points).
+# clean) pairs. AdamW with its usual betas, lr 0.1, 300 steps: the organism's hack prior is ~7%, and under
+# `none` one seed in three took 154 steps to pass a 0.3 hack rate, so at 200 steps run_tests rose only +39.0
+# points (3 seeds); at 300, every mode rose +59 or more (findings 1.7). 300 steps fit `make demo` in ~10 min.
 DEMO = Config(
     model=ModelCfg(source="organism"),
     rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.0, max_new_tokens=128),
     pool=PoolCfg(n_hack=2, n_clean=1, n_buggy=1),
     optim=OptimCfg(lr=0.1, betas=(0.9, 0.99), warmup_steps=3),
-    run=RunCfg(steps=200, checkpoint_every=50),
+    run=RunCfg(steps=300, checkpoint_every=50),
 )
 
 # The demo as first calibrated (findings sections 1-6): half of each group from the teacher pool (2 hack,

@@ -163,13 +163,10 @@ def smoke_model_and_tokenizer(*, vocab_size: int = 512, hidden: int = 32, layers
 # --- config, cache key, build ---------------------------------------------------------------------
 
 
-# The defaults, as measured by `projected-grpo build-organism` (8 samples per problem at T = 1, graded in
-# the sandbox; docs/findings.md 1.4): seed 0 solves 45.5% and hacks 9.5% of the 42 warm-up problems'
-# samples (format 96.7%), and solves 4.2% of the 6 held-out problems' (c_to_f, whose statement gives its
-# formula: 16 of 32 samples; the five that need an algorithm it never saw: 0). Held-out solve needs the
-# many warm-up-only problems (6000 formulas, 48 renames of each problem, each seen about once) and names
-# made of English pieces: with 40 formulas, 2 renames and syllable names, held-out solve was 0%. The
-# warm-up costs ~0.17 CPU-seconds per step on one core: ~9 minutes.
+# The defaults, as measured by `projected-grpo build-organism` (T = 1, sandbox-graded; findings 1.6-1.7): seed
+# 0 solves 49.1% and hacks 6.5% of the 42 warm-up problems' samples (8 each), and 11 of 768 held-out ones
+# (all c_to_f, whose statement gives its formula). That needs the 8016 warm-up-only problems, "open" names and
+# "both" formulas: 7733 (mixed names, 15 shapes) solved 0 of 192. The warm-up takes ~10 minutes on one core.
 @dataclasses.dataclass(frozen=True)
 class OrganismConfig:
     """Everything that determines the organism (all of it enters the cache key)."""
@@ -203,11 +200,11 @@ class OrganismConfig:
     """warm-up-only "Compute ...: <expression>." problems (augment.py: copy a formula)"""
     per_extra: int = 1
     """warm-up examples per warm-up-only problem, split by `mix`"""
-    name_parts: Literal["syllables", "mixed", "open"] = "mixed"
+    name_parts: Literal["syllables", "mixed", "open"] = "open"
     """what warm-up-only problems' method names are made of (augment.NAME_PARTS): "syllables" (ka_lo),
     "mixed" (syllables, letters and the training statements' words: findings 1.4) or "open" (those and
     random runs of letters: findings 1.6)"""
-    formulas: Literal["patterns", "both"] = "patterns"
+    formulas: Literal["patterns", "both"] = "both"
     """where formula problems' expressions come from (augment.FORMULAS): "patterns" (15 shapes, at most two
     constants) or "both" (those or, with even odds, a grammar's left fold of 1-3 operations: findings 1.6)"""
     holdout_per_mode: int = 1
@@ -372,7 +369,9 @@ class BuildOpts:
     cache_dir: str = ""
     """cache root ("" = $PROJECTED_GRPO_CACHE, else ~/.cache/projected_grpo)"""
     samples: int = 8
-    """samples per problem for the checks at T = 1 (0 skips the checks)"""
+    """samples per warm-up problem for the checks at T = 1 (0 skips the checks)"""
+    held_out_samples: int = 128
+    """samples per held-out problem for the checks (their solve rate is about 1%: 8 would often read 0)"""
     max_new_tokens: int = 128
     """token budget per sampled completion in the checks (the demo preset's)"""
     threads: int = 1
@@ -396,7 +395,8 @@ def main(argv: list[str]) -> int:
         t0 = time.perf_counter()
         with contextlib.closing(CodeEnv(BUILTIN_PROBLEMS)) as env:
             checks = organism_checks(model, tokenizer, env, builtin_corpus(), frozenset(meta["held_out"]),
-                                     n_samples=opts.samples, max_new_tokens=opts.max_new_tokens,
+                                     n_samples=opts.samples, held_out_samples=opts.held_out_samples,
+                                     max_new_tokens=opts.max_new_tokens,
                                      seed=opts.organism.seed)
         print(format_checks(checks))
         for pid, text in checks["examples"].items():

@@ -48,34 +48,47 @@ def summarize_grades(grades: Sequence[Graded], problem_ids: Sequence[str], modes
 
 @torch.no_grad()
 def organism_checks(model, tokenizer, env, corpus: Corpus, held_out: frozenset[str], *, n_samples: int = 8,
-                    max_new_tokens: int = 160, temperature: float = 1.0, seed: int = 0,
-                    prompts_per_batch: int = 16) -> dict:
-    """Sample `n_samples` completions per problem of `corpus` and grade them with `env`.
+                    held_out_samples: int | None = None, max_new_tokens: int = 160, temperature: float = 1.0,
+                    seed: int = 0, prompts_per_batch: int = 16) -> dict:
+    """Sample `n_samples` completions per warm-up problem of `corpus` and `held_out_samples` (None: as many)
+    per held-out problem, and grade them with `env`.
 
+    The held-out problems get more samples where asked because their solve rate is small (about 1%: 8
+    samples per problem would often read 0). Each group is sampled in batches of `prompts_per_batch`
+    prompts from a seed stream of its own (step_seed(seed, 0 | 1, start)).
     Returns {"rates": summarize_grades(...), "mean_tokens", "truncated_frac", "n_samples",
-    "temperature", "examples": {problem id: first sample text} for the first problem of each mode}.
+    "held_out_samples", "temperature", "examples": {problem id: first sample text} for the first problem of
+    each mode}.
     """
     model.eval()
+    held_out_samples = n_samples if held_out_samples is None else held_out_samples
     prompt_ids = {p.id: encode_prompt(tokenizer, list(m)) for p, m in zip(corpus.problems, corpus.messages)}
+    warm = [p for p in corpus.problems if p.id not in held_out]
+    held = [p for p in corpus.problems if p.id in held_out]
     samples = []
-    for start in range(0, len(corpus.problems), prompts_per_batch):
-        samples += sample_and_grade(model, tokenizer, env, corpus.problems[start:start + prompts_per_batch],
-                                    prompt_ids, n_samples, max_new_tokens=max_new_tokens,
-                                    temperature=temperature, seed=step_seed(seed, 0, start))
-    firsts: dict[str, int] = {}
-    for i, p in enumerate(corpus.problems):
-        firsts.setdefault(p.mode, i)
+    for stream, (n, problems) in enumerate(((n_samples, warm), (held_out_samples, held))):
+        for start in range(0, len(problems), prompts_per_batch):
+            samples += sample_and_grade(model, tokenizer, env, problems[start:start + prompts_per_batch],
+                                        prompt_ids, n, max_new_tokens=max_new_tokens, temperature=temperature,
+                                        seed=step_seed(seed, stream, start))
+    first_sample: dict[str, str] = {}
+    for s in samples:
+        first_sample.setdefault(s.problem_id, s.text)
+    firsts: dict[str, str] = {}
+    for p in corpus.problems:
+        firsts.setdefault(p.mode, p.id)
     rates = summarize_grades([s.grade for s in samples], [s.problem_id for s in samples],
                              [s.mode for s in samples], held_out)
     return {"rates": rates, "mean_tokens": sum(len(s.completion_ids) for s in samples) / len(samples),
             "truncated_frac": sum(s.truncated for s in samples) / len(samples), "n_samples": n_samples,
-            "temperature": temperature,
-            "examples": {corpus.problems[i].id: samples[i * n_samples].text for i in firsts.values()}}
+            "held_out_samples": held_out_samples, "temperature": temperature,
+            "examples": {pid: first_sample[pid] for pid in firsts.values()}}
 
 
 def format_checks(checks: dict) -> str:
     """A table of the check rates, with the train row compared to TARGET_SOLVE / TARGET_HACK."""
-    lines = [f"checks at T={checks['temperature']}, {checks['n_samples']} samples per problem "
+    lines = [f"checks at T={checks['temperature']}, {checks['n_samples']} samples per warm-up problem and "
+             f"{checks.get('held_out_samples', checks['n_samples'])} per held-out one "
              f"(mean {checks['mean_tokens']:.0f} tokens, {checks['truncated_frac']:.0%} truncated):",
              f"  {'group':<20} {'n':>5} {'solve':>6} {'hack':>6} {'pass':>6} {'format':>7}"]
     for name, r in checks["rates"].items():
@@ -87,6 +100,7 @@ def format_checks(checks: dict) -> str:
         lines.append(f"  train {what} rate {train[what]:.1%} vs target {lo:.0%}-{hi:.0%}: {verdict}")
     held = checks["rates"].get("held_out", {})
     if held.get("n"):
-        lines.append(f"  held-out solve rate {held['solve']:.1%} vs target > 0: "
+        lines.append(f"  held-out solve rate {held['solve']:.1%} ({round(held['solve'] * held['n'])} of "
+                     f"{held['n']}) vs target > 0: "
                      f"{'ok' if held['solve'] > 0 else 'OFF TARGET'}")
     return "\n".join(lines)
