@@ -382,6 +382,8 @@ def test_checks_grade_real_samples(built, small_corpus):
     assert f"vs target {TARGET_SOLVE[0]:.0%}-{TARGET_SOLVE[1]:.0%}" in text and "held_out" in text
     assert "2 samples per warm-up problem and 3 per held-out one" in text
     assert f"({round(rates['held_out']['solve'] * 3)} of 3) vs target > 0" in text
+    with pytest.raises(ValueError, match="held_out_samples >= 0"):
+        organism_checks(model, tok, None, two, frozenset(meta["held_out"]), held_out_samples=-1)
     assert f"vs target {TARGET_HACK[0]:.0%}-{TARGET_HACK[1]:.0%}" in text
 
 

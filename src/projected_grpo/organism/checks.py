@@ -62,6 +62,9 @@ def organism_checks(model, tokenizer, env, corpus: Corpus, held_out: frozenset[s
     """
     model.eval()
     held_out_samples = n_samples if held_out_samples is None else held_out_samples
+    if n_samples < 1 or held_out_samples < 0:
+        raise ValueError(f"organism_checks: need n_samples >= 1 and held_out_samples >= 0, got {n_samples} "
+                         f"and {held_out_samples}")
     prompt_ids = {p.id: encode_prompt(tokenizer, list(m)) for p, m in zip(corpus.problems, corpus.messages)}
     warm = [p for p in corpus.problems if p.id not in held_out]
     held = [p for p in corpus.problems if p.id in held_out]
@@ -88,7 +91,7 @@ def organism_checks(model, tokenizer, env, corpus: Corpus, held_out: frozenset[s
 def format_checks(checks: dict) -> str:
     """A table of the check rates, with the train row compared to TARGET_SOLVE / TARGET_HACK."""
     lines = [f"checks at T={checks['temperature']}, {checks['n_samples']} samples per warm-up problem and "
-             f"{checks.get('held_out_samples', checks['n_samples'])} per held-out one "
+             f"{checks['held_out_samples']} per held-out one "
              f"(mean {checks['mean_tokens']:.0f} tokens, {checks['truncated_frac']:.0%} truncated):",
              f"  {'group':<20} {'n':>5} {'solve':>6} {'hack':>6} {'pass':>6} {'format':>7}"]
     for name, r in checks["rates"].items():
