@@ -363,6 +363,7 @@ def test_summarize_grades_by_hand():
     assert out["train"] == {"n": 3, "solve": 1 / 3, "hack": 1 / 3, "pass": 2 / 3, "format": 1.0}
     assert out["held_out"] == {"n": 1, "solve": 0.0, "hack": 1.0, "pass": 1.0, "format": 1.0}
     assert out["mode/run_tests"]["hack"] == 0.5 and out["mode/sentinel"]["n"] == 1
+    assert out["held_out/c"] == out["held_out"] and "mode/sentinel" in out and "held_out/a" not in out
 
 
 def test_checks_grade_real_samples(built, small_corpus):
