@@ -38,7 +38,7 @@ SMOKE = Config(env=EnvCfg(max_problems=12), pool=PoolCfg(n_hack=1, n_clean=1),
 # positive control fail and every arm lose well-formed answers. The pool still supplies V_hack's (hack,
 # clean) pairs. AdamW with its usual betas, lr 0.1, 300 steps: the organism's hack prior is ~7%, and under
 # `none` one seed in three took 154 steps to pass a 0.3 hack rate, so at 200 steps run_tests rose only +39.0
-# points (3 seeds); at 300, every mode rose +59 or more (findings 1.7). 300 steps fit `make demo` in ~10 min.
+# points (3 seeds); at 300, every mode rose +59 or more (findings 1.7). `make demo`: 545 s on 2 cores.
 DEMO = Config(
     model=ModelCfg(source="organism"),
     rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.0, max_new_tokens=128),
