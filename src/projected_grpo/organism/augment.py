@@ -8,7 +8,7 @@ Two kinds of extra problems make the prompt, not the memory, the source of what 
   formula   "Compute ...: <expression>." problems whose answer is `return <expression>` (the built-in
             c_to_f states its formula this way), so an expression can be copied from the statement.
             `formulas` (FORMULAS) says where the expressions come from: "patterns", 15 fixed shapes with at
-            most two constants (the default); "both", with even odds per problem those or
+            most two constants; "both" (the organism's default), with even odds per problem those or
             the grammar's: a left fold of 1-3 operations over the variables and constants, so copying does
             not stop at two constants (findings 1.6). A grammar expression that behaves like a problem in
             `avoid` (the held-out ones) on all of its tests is drawn again.
@@ -16,11 +16,11 @@ They are ordinary `Problem`s (graded like any other, every loophole mode) used f
 never held out, never in the checks, never trained on by RL. Held-out problems are never renamed.
 Names (`name_parts`): "syllables" draws each name from random syllables (ka_lo, ti_mu_sa), the first
 design; the organism then copies such names but never a name made of English pieces (running_sum), which is
-what the held-out problems have. "mixed" (the default) draws each of a name's 2-3 parts from syllables,
+what the held-out problems have. "mixed" (7733's) draws each of a name's 2-3 parts from syllables,
 single letters or words of the training problems' statements (findings 1.4): the copy reaches English names.
-"open" draws half the names as "mixed" does, and in the other half makes each part a random
-run of 2-7 letters with odds 0.4: names made of pieces the tokenizer has no whole token for, as the held-out
-ones are (`max_minus_min` is 10 tokens, `Ġma x _ m in u s _ m in`; findings 1.6).
+"open" (the organism's default) draws half the names as "mixed" does, and in the other half makes each part
+a random run of 2-7 letters with odds 0.4: names made of pieces the tokenizer has no whole token for, as the
+held-out ones are (`max_minus_min` is 10 tokens, `Ġma x _ m in u s _ m in`; findings 1.6).
 Deterministic given the seed.
 """
 
