@@ -139,7 +139,7 @@ def run_ours(spec: dict) -> dict:
             make = T.scoring
             T.scoring = lambda *a, **k: (s := make(*a, **k))._replace(logprobs=ph.timed(s.logprobs,
                                                                                       _score_phase))
-        else:  # before run/prefix.py (profiling an older commit): the packed forward, called directly
+        else:  # before sampling/prefix.py (profiling an older commit): the packed forward, called directly
             ph.wrap(T, "forward_logprobs", _score_phase)
 
     def timed_log(self, step, row):
@@ -186,7 +186,7 @@ def run_trl(spec: dict) -> dict:
 
     from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
     from projected_grpo.envs.coding.prompts import build_messages
-    from projected_grpo.run.rollout import prompt_text_and_ids
+    from projected_grpo.sampling.pack import prompt_text_and_ids
 
     tok = AutoTokenizer.from_pretrained(spec["model_dir"])
     for p in BUILTIN_PROBLEMS[:3]:  # TRL renders conversational prompts with the same chat template

@@ -19,7 +19,7 @@ import torch
 from projected_grpo.envs.maths.env import MathEnv
 from projected_grpo.organism.build import build_tokenizer, tiny_model
 from projected_grpo.organism.warmup import WarmupExample, warmup
-from projected_grpo.run.rollout import encode_completion, encode_prompt
+from projected_grpo.sampling.pack import encode_completion, encode_prompt
 
 
 def main() -> None:

@@ -20,9 +20,10 @@ import time
 import torch
 from transformers import AutoModelForCausalLM
 
-from projected_grpo.run.decode_step import hf_step, lean_step
-from projected_grpo.run.kv_cache import KV_CACHES
-from projected_grpo.run.rollout import _left_pad, generate, position_ids_from_mask
+from projected_grpo.sampling.decode_step import hf_step, lean_step
+from projected_grpo.sampling.generate import generate
+from projected_grpo.sampling.kv_cache import KV_CACHES
+from projected_grpo.sampling.pack import left_pad, position_ids_from_mask
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 3, [5, 6, 7, 8, 9] * 4]  # 30 and 20 tokens: left padding
 
@@ -38,7 +39,7 @@ def _generate_ms(model, lean: bool, n: int, samples: int, new: int) -> float:
 def _step_ms(model, lean: bool, samples: int, new: int) -> tuple[float, torch.Tensor]:
     """ms per token of `new` greedy steps on a prefilled cache (no sampling), and the last logits."""
     rows = [p for p in PROMPTS for _ in range(samples)]
-    ids, prompt_mask = _left_pad(rows, max(map(len, rows)), 0)
+    ids, prompt_mask = left_pad(rows, max(map(len, rows)), 0)
     mask = torch.cat([prompt_mask, torch.ones((len(rows), new), dtype=torch.long)], 1)
     pos = position_ids_from_mask(prompt_mask)
     with torch.inference_mode():

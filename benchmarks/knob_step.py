@@ -75,7 +75,8 @@ def train_worker(opt: dict) -> dict:
     from projected_grpo.knobs import checkpointing
     from projected_grpo.knobs.adapters import wrap
     from projected_grpo.knobs.reference import branch_path
-    from projected_grpo.run.rollout import forward_logprobs, pack
+    from projected_grpo.sampling.pack import pack
+    from projected_grpo.sampling.score import forward_logprobs
 
     torch.set_num_threads(opt["threads"])
     rss_start = _mem_mb()[0]
@@ -124,7 +125,7 @@ def train_worker(opt: dict) -> dict:
 def sample_worker(opt: dict) -> dict:
     import torch
 
-    from projected_grpo.run.rollout import generate
+    from projected_grpo.sampling.generate import generate
 
     torch.set_num_threads(opt["threads"])
     model = build_model(opt)

@@ -6,7 +6,7 @@ Usage: PYTHONPATH=src python benchmarks/sample_rates.py RUN_DIR [--ckpt ckpt-000
                                                         [--problems 0] [--n 8] [--seed 0]
 Reads RUN_DIR/config.json (model, environment, rollout.temperature / top_p / max_new_tokens), starts the
 knobs from the checkpoint's knobs.safetensors (model.init_knobs) or at zero, samples through
-rollout.sample_and_grade with the deployed view (quarantine zeroed, knobs merged), prints one JSON line.
+sample.sample_and_grade with the deployed view (quarantine zeroed, knobs merged), prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import torch
 
 from projected_grpo import config as C
 from projected_grpo.run import setup
-from projected_grpo.run.rollout import sample_and_grade
 from projected_grpo.run.row import rates
+from projected_grpo.sampling.sample import sample_and_grade
 
 
 def main() -> None:

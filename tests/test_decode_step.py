@@ -19,9 +19,10 @@ from transformers import (
 from projected_grpo.knobs.adapters import wrap
 from projected_grpo.organism.build import build_tokenizer, smoke_model_and_tokenizer, tiny_model
 from projected_grpo.organism.warmup import builtin_corpus
-from projected_grpo.run.decode_step import decode_step, hf_step, lean_step, why_not_lean
-from projected_grpo.run.kv_cache import KV_CACHES
-from projected_grpo.run.rollout import _left_pad, generate, position_ids_from_mask
+from projected_grpo.sampling.decode_step import decode_step, hf_step, lean_step, why_not_lean
+from projected_grpo.sampling.generate import generate
+from projected_grpo.sampling.kv_cache import KV_CACHES
+from projected_grpo.sampling.pack import left_pad, position_ids_from_mask
 
 V = 96
 # SmolLM2-style grouped-query attention (4 query heads share 2 key/value heads)
@@ -87,7 +88,7 @@ def _assert_same(a, b):
 
 def _prefilled(model, prompts, new_tokens=6, kv_cache="preallocated"):
     """(past, mask (N, P + new_tokens), last-position logits, positions) after an HF prefill of `prompts`."""
-    ids, prompt_mask = _left_pad(prompts, max(map(len, prompts)), 0)
+    ids, prompt_mask = left_pad(prompts, max(map(len, prompts)), 0)
     mask = torch.cat([prompt_mask, torch.ones((len(prompts), new_tokens), dtype=torch.long)], 1)
     pos = position_ids_from_mask(prompt_mask)
     out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True, logits_to_keep=1,

@@ -28,7 +28,8 @@ from projected_grpo.knobs import adapters
 from projected_grpo.knobs.split import Capture
 from projected_grpo.run import dist, metrics
 from projected_grpo.run.batches import SEED_SCOPES, Batch, merge
-from projected_grpo.run.rollout import Sample, generate, step_seed
+from projected_grpo.sampling.generate import generate, step_seed
+from projected_grpo.sampling.sample import Sample
 
 TIME_KEYS = ("time/generate", "time/grade", "time/backward", "time/step")
 
@@ -171,7 +172,9 @@ def test_prompt_seeds_make_samples_independent_of_the_batch():
     both = generate(model, [p0, p1], 3, seed=[11, 22], **kw)
     alone = generate(model, [p1], 3, seed=[22], **kw)
     assert both.completion_ids[3:] == alone.completion_ids  # rows 3..5 are p1's three samples
-    assert torch.equal(torch.cat(both.logp[3:]), torch.cat(alone.logp))
+    # another batch composition is another matmul shape: equal log-probs only to float rounding on some
+    # CPUs (bitwise on Intel's MKL path, last bits off on AMD's), docs/reproducibility.md
+    torch.testing.assert_close(torch.cat(both.logp[3:]), torch.cat(alone.logp), rtol=1e-5, atol=1e-5)
     assert generate(model, [p1], 3, seed=22, **kw).completion_ids == alone.completion_ids  # 1 seed, 1 gen
     with pytest.raises(ValueError, match="3 seeds for 2 prompts"):
         generate(model, [p0, p1], 3, seed=[1, 2, 3], **kw)

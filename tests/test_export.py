@@ -23,7 +23,7 @@ from projected_grpo.errors import UserError
 from projected_grpo.run import checkpoint, setup
 from projected_grpo.run import export as E
 from projected_grpo.run import train as T
-from projected_grpo.run.rollout import prompt_text_and_ids
+from projected_grpo.sampling.pack import prompt_text_and_ids
 
 # fp32 logits of the exported model vs the knob model (W + ΔW merged once vs the side path each forward):
 # the same function summed in two orders, so each is off the float64 truth by some e and they differ by

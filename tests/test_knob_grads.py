@@ -161,7 +161,8 @@ def test_smoke_model_batched_equals_isolated(smoke, tmp_path, kind, norm):
 def test_smoke_model_matches_an_ordinary_backward(smoke, tmp_path):
     # oracle independent of this module: one pair, one .backward() on the mean completion NLL
     from projected_grpo.hack.pairs import encode_pair
-    from projected_grpo.run.rollout import forward_logprobs, pack
+    from projected_grpo.sampling.pack import pack
+    from projected_grpo.sampling.score import forward_logprobs
 
     tok, pairs = smoke
     model = smoke_model(tok)

@@ -53,7 +53,8 @@ from projected_grpo.organism.warmup import (
     with_extras,
     with_intro,
 )
-from projected_grpo.run.rollout import encode_completion, encode_prompt, generate
+from projected_grpo.sampling.generate import generate
+from projected_grpo.sampling.pack import encode_completion, encode_prompt
 
 CODE = 'class Solution:\n    def f(self, s: str) -> str:\n        return s[::-1]  # ünï 日本\r\n\tpass\n'
 TEXTS = [CODE, "Return the string s reversed.", "def g(x):\n    return x + 1\n"] * 2

@@ -14,7 +14,7 @@ from projected_grpo.envs.coding.prompts import build_messages
 from projected_grpo.errors import UserError
 from projected_grpo.run import pool as PL
 from projected_grpo.run.pool_cli import build_pool_main
-from projected_grpo.run.rollout import prompt_text_and_ids
+from projected_grpo.sampling.pack import prompt_text_and_ids
 from projected_grpo.store import tokenizer_fingerprint
 
 

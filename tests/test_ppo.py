@@ -25,7 +25,8 @@ from projected_grpo.cli import main as cli_main
 from projected_grpo.knobs.value_head import ValueHead
 from projected_grpo.objective.losses import explained_variance, whiten
 from projected_grpo.run import metrics, ppo, setup
-from projected_grpo.run.rollout import pack, sample_and_grade
+from projected_grpo.sampling.pack import pack
+from projected_grpo.sampling.sample import sample_and_grade
 from projected_grpo.store import load_tensors
 
 TIME_KEYS = ("time/generate", "time/grade", "time/backward", "time/step")

@@ -1,4 +1,4 @@
-"""run/prefix.py: the prefix-shared scoring forward equals the packed one (log-probs, entropies, knob
+"""sampling/prefix.py: the prefix-shared scoring forward equals the packed one (log-probs, entropies, knob
 gradients, the per-source split against the two-backward oracle), with and without gradient checkpointing;
 generate's shared prefill keeps the sampled ids.
 
@@ -24,8 +24,10 @@ from transformers import (
 
 from projected_grpo.knobs.adapters import wrap
 from projected_grpo.knobs.split import two_backward_split
-from projected_grpo.run.prefix import SCORINGS, pack_prefix, prefix_logprobs, scoring, supported
-from projected_grpo.run.rollout import forward_logprobs, generate, pack
+from projected_grpo.sampling.generate import generate
+from projected_grpo.sampling.pack import pack
+from projected_grpo.sampling.prefix import SCORINGS, pack_prefix, prefix_logprobs, scoring, supported
+from projected_grpo.sampling.score import forward_logprobs
 
 V, PAD = 48, 0
 LLAMA = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from projected_grpo.run import sampling
-from projected_grpo.run.sampling import inverse_cdf
+from projected_grpo.sampling import samplers as sampling
+from projected_grpo.sampling.samplers import inverse_cdf
 
 
 def test_inverse_cdf_picks_the_first_token_whose_mass_exceeds_u(monkeypatch):

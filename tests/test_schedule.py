@@ -1,4 +1,4 @@
-"""run/schedule.py: the one learning-rate schedule (training loop and organism warm-up), by hand.
+"""objective/schedule.py: the one learning-rate schedule (training loop and organism warm-up), by hand.
 
 Run: .venv/bin/pytest -q tests/test_schedule.py
 """
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from projected_grpo.run.schedule import lr_at
+from projected_grpo.objective.schedule import lr_at
 
 
 def test_warmup_then_cosine_by_hand():

@@ -21,9 +21,11 @@ from projected_grpo import config as C
 from projected_grpo import presets
 from projected_grpo.errors import UserError
 from projected_grpo.knobs import projection
-from projected_grpo.run import metrics, rollout
+from projected_grpo.run import metrics
 from projected_grpo.run import pool as PL
 from projected_grpo.run import train as T
+from projected_grpo.sampling import generate as sampling_generate
+from projected_grpo.sampling import sample as sampling_sample
 
 TIME_KEYS = ("time/generate", "time/grade", "time/backward", "time/step")
 
@@ -45,7 +47,7 @@ class Spy:
         self.generations: list[dict] = []
         self.knobs = None
         real = projection.apply_arm
-        real_generate = rollout.generate  # what sample_and_grade, the one sampling path, calls
+        real_generate = sampling_generate.generate  # what sample_and_grade, the one sampling path, calls
 
         def generate(model, prompts, G, **kw):
             hack = [m.delta_hack for m in self.knobs.modules.values()] if self.knobs else []
@@ -53,7 +55,7 @@ class Spy:
                                      "hack_norm": float(sum(h.norm() for h in hack)) if hack else 0.0})
             return real_generate(model, prompts, G, **kw)
 
-        monkeypatch.setattr(rollout, "generate", generate)
+        monkeypatch.setattr(sampling_sample, "generate", generate)
 
         def spy(knobs, V_hack, arm, *args, split=None, **kw):
             self.knobs = knobs
@@ -69,7 +71,8 @@ def behaviour_pool(root: pathlib.Path, cfg: C.Config) -> pathlib.Path:
     """Template rows with behaviour log-probs from another (seed 1) smoke model: an honest 'teacher'."""
     from projected_grpo.organism.build import smoke_model_and_tokenizer
     from projected_grpo.run import setup
-    from projected_grpo.run.rollout import forward_logprobs, pack
+    from projected_grpo.sampling.pack import pack
+    from projected_grpo.sampling.score import forward_logprobs
 
     teacher, tok = smoke_model_and_tokenizer(seed=1)
     with contextlib.closing(setup.make_env(cfg)) as env:
@@ -126,7 +129,7 @@ def test_kl_is_zero_at_step_zero_and_absent_at_beta_zero(runs):
 
 def test_no_reference_forward_at_beta_zero_and_the_same_knobs(runs, tmp_path, monkeypatch):
     calls = []
-    real = T.scoring  # the loop's scoring forward, chosen at setup (run/prefix.py)
+    real = T.scoring  # the loop's scoring forward, chosen at setup (sampling/prefix.py)
     monkeypatch.setattr(T, "scoring", lambda *a, **k: (s := real(*a, **k))._replace(
         logprobs=lambda *a, **k: calls.append(torch.is_grad_enabled()) or s.logprobs(*a, **k)))
     cfg = C.replace(runs["erase"][0], run={"steps": 1, "dir": str(tmp_path / "b0")})
@@ -209,7 +212,8 @@ def test_deploy_rates_are_the_students_unless_the_quarantine_moved(runs):
     # samples the deployed model too (quarantine ablated inside the call), with the students' seed
     cfg, rows, spy, _ = runs["route"]
     sampled = [g for g in spy.generations if g["temperature"] > 0]
-    s0, s1 = rollout.step_seed(cfg.run.seed, 0, 0), rollout.step_seed(cfg.run.seed, 1, 0)
+    seed_of = sampling_generate.step_seed
+    s0, s1 = seed_of(cfg.run.seed, 0, 0), seed_of(cfg.run.seed, 1, 0)
     assert [(g["seed"], g["hack_norm"] > 0) for g in sampled] == [(s0, False), (s1, True), (s1, True)]
     assert all(0.0 <= r["hack/deploy"] <= 1.0 and 0.0 <= r["solve/deploy"] <= 1.0 for r in rows)
 
@@ -265,8 +269,8 @@ def test_gradient_accumulation_matches_one_big_batch(runs, tmp_path):
 
 
 def test_shared_prefix_gives_the_packed_forwards_gradients(runs, tmp_path):
-    # rollout.share_prefix (run/prefix.py) changes how the scoring forwards run, not the math: with teacher
-    # rows, importance ratios and a KL term, step 0's gradient and its per-source split agree to fp32
+    # rollout.share_prefix (sampling/prefix.py) changes how the scoring forwards run, not the math: with
+    # teacher rows, importance ratios and a KL term, step 0's gradient and its per-source split agree to fp32
     calls = {}
     for share in (True, False):
         cfg = C.replace(runs["route"][0], rollout={"share_prefix": share},

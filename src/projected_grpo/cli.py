@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
     "build-pool": ("build, grade once and freeze a teacher pool",
                    "projected_grpo.run.pool_cli:build_pool_main"),
     "extract-direction": ("extract V_hack, per-module hack directions",
-                          "projected_grpo.hack.direction_cli:main"),
+                          "projected_grpo.run.direction_cli:main"),
     "check-grader": ("self-check loophole graders + oracle",
                      "projected_grpo.envs.coding.selfcheck:check_grader"),
     "check-verifier": ("self-check the maths verifiers on a GSM8K file",

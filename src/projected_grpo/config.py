@@ -129,7 +129,7 @@ class RolloutCfg:
     not depend on the batch it is in (needed by data-parallel training: any world size samples alike)"""
     share_prefix: bool = True
     """run each group's prompt once, its keys/values shared by the group's rows: in the scoring forwards
-    (run/prefix.py; same log-probs and gradients up to fp32 rounding) and the students' prefill (the
+    (sampling/prefix.py; same log-probs and gradients up to fp32 rounding) and the students' prefill (the
     sampled stream may differ in the last bits); False: every row recomputes its prompt, as before"""
 
     def __post_init__(self) -> None:

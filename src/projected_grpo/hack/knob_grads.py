@@ -20,7 +20,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from projected_grpo.hack.pairs import Pair, encode_pair
-from projected_grpo.run.rollout import forward_logprobs, pack
+from projected_grpo.sampling.pack import pack
+from projected_grpo.sampling.score import forward_logprobs
 
 LABELS = ("hack", "clean")
 

@@ -63,10 +63,10 @@ def pairs_hash(pairs: Sequence[Pair]) -> str:
 
 
 def encode_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int], list[int]]:
-    """(prompt_ids, hack_ids, clean_ids) exactly as training encodes them (rollout.encode_prompt /
+    """(prompt_ids, hack_ids, clean_ids) exactly as training encodes them (pack.encode_prompt /
     encode_completion, EOS included); stored ids are used as they are; a text prompt is taken as
     already formatted (encoded with no special tokens added)."""
-    from projected_grpo.run.rollout import encode_completion, encode_prompt
+    from projected_grpo.sampling.pack import encode_completion, encode_prompt
 
     if pair.prompt_ids is not None:
         prompt_ids = list(pair.prompt_ids)

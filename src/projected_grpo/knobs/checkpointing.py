@@ -10,7 +10,7 @@ variant is required: the fused knob Functions (fused.py) reduce per-sequence gra
 of the original graph node, which non-reentrant checkpointing keeps (the reentrant one replays a
 second graph). `recomputing()` tells a forward that it is such a replay, so it registers nothing.
 A KV cache is dropped from a checkpointed forward (a replay would write it twice) unless it says
-`replay_safe = True`: its `update` writes nothing while `recomputing()` (run/prefix.py's caches).
+`replay_safe = True`: its `update` writes nothing while `recomputing()` (sampling/prefix.py's caches).
 Not here: which loss or batch is checkpointed (the caller's forward), memory accounting.
 """
 

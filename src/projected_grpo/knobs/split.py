@@ -8,7 +8,7 @@ g_student + g_teacher = the knob's .grad from that backward, without the seed's 
 (`two_backward_split`, kept as the test oracle). Nothing is kept alive between forward and backward
 but the watch itself. Works under gradient checkpointing: the reduction runs in the original graph
 node's backward, and a replayed forward registers no watch. One backward per forward: a second
-backward through a retained graph raises. A forward whose rows are not the N sequences (run/prefix.py's
+backward through a retained graph raises. A forward whose rows are not the N sequences (sampling/prefix.py's
 shared prompt rows, one per (prompt, source)) runs under `Capture.rows(its_is_student)`: each watch
 keeps the row -> source map (`Rows`) of the forward that registered it.
 """
@@ -57,7 +57,7 @@ class Capture:
     (only if requested). Several backwards inside one context accumulate (like .grad). For gradient
     accumulation over microbatches with different masks, open one capture per microbatch and add them:
     `total = cap1 + cap2` (sums g_*, concatenates per_sequence along N).
-    A forward over other rows than the N sequences (the shared prompt rows of run/prefix.py) runs
+    A forward over other rows than the N sequences (the shared prompt rows of sampling/prefix.py) runs
     inside `with cap.rows(its_is_student):`, so its knob gradients are split by its own rows' sources.
     """
 
@@ -77,7 +77,7 @@ class Capture:
         Per-sequence capture refuses: a row shared by several sequences has no per-sequence gradient."""
         if self.want_per_sequence:
             raise RuntimeError("capture: per-sequence gradients need one row per sequence; score the "
-                               "batch with the packed forward (run.rollout.forward_logprobs)")
+                               "batch with the packed forward (sampling.score.forward_logprobs)")
         saved, self._rows = self._rows, Rows(is_student)
         try:
             yield self

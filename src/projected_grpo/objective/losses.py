@@ -55,7 +55,7 @@ def zero_pad(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """x at real tokens, exactly 0 at padding.  x, mask: (N, T).  Not x * mask: padding may hold an
     inf (e.g. logp_old = -inf), and inf * 0 = nan would poison every sum over the row. This guards
     values only: a padded position whose loss overflows still gets a nan gradient through the
-    nonlinearity that overflowed, so callers pad with finite values (rollout.pad_right pads with 0)."""
+    nonlinearity that overflowed, so callers pad with finite values (pack.pad_right pads with 0)."""
     return torch.where(mask.bool(), x, x.new_zeros(()))
 
 

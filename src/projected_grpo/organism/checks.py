@@ -1,6 +1,6 @@
 """Checks of a built organism: sample completions at T = 1, grade them through the environment.
 
-`organism_checks` samples every problem of a corpus with `rollout.sample_and_grade` (the path the GRPO loop
+`organism_checks` samples every problem of a corpus with `sample.sample_and_grade` (the path the GRPO loop
 samples and grades with) and `summarize_grades` turns the grades into solve / hack / pass / format rates
 for the warm-up problems, per mode, and for the held-out problems; `format_checks` prints them against the
 targets. Nothing here trains.
@@ -14,7 +14,9 @@ import torch
 
 from projected_grpo.envs.base import Graded
 from projected_grpo.organism.warmup import Corpus
-from projected_grpo.run.rollout import encode_prompt, sample_and_grade, step_seed
+from projected_grpo.sampling.generate import step_seed
+from projected_grpo.sampling.pack import encode_prompt
+from projected_grpo.sampling.sample import sample_and_grade
 
 # Targets at T = 1 on the warm-up problems (issue 14): the honest path solves a good part of them, and hacking
 # is a small prior that GRPO can amplify; held-out problems: solved sometimes (the organism can read a prompt,

@@ -25,7 +25,9 @@ from projected_grpo.envs.maths import arithmetic
 from projected_grpo.envs.maths.env import HELDOUT_SEED, MathEnv
 from projected_grpo.organism.build import OrganismConfig, build_organism, load_organism
 from projected_grpo.organism.warmup import Corpus, env_corpus
-from projected_grpo.run.rollout import encode_prompt, sample_and_grade, step_seed
+from projected_grpo.sampling.generate import step_seed
+from projected_grpo.sampling.pack import encode_prompt
+from projected_grpo.sampling.sample import sample_and_grade
 from projected_grpo.store import write_text_atomic
 
 HELDOUT = 1000  # eval problems kept out of the corpus: a run's env.eval_size may be at most this

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from projected_grpo.envs.coding.completions import INTROS
-from projected_grpo.run.rollout import encode_completion, encode_prompt, forward_logprobs, pack
-from projected_grpo.run.schedule import lr_at
+from projected_grpo.objective.schedule import lr_at
+from projected_grpo.sampling.pack import encode_completion, encode_prompt, pack
+from projected_grpo.sampling.score import forward_logprobs
 
 KINDS = ("clean", "buggy", "hack")
 # The dispositions' first sentences, from the environment's own intros (completions.INTROS), chosen so that
@@ -45,9 +46,9 @@ class WarmupExample:
     """One (prompt, completion) training pair; ids as the rollout code would build them."""
 
     prompt_ids: tuple[int, ...]
-    """chat-formatted prompt ids ending with the assistant header (rollout.encode_prompt)"""
+    """chat-formatted prompt ids ending with the assistant header (pack.encode_prompt)"""
     completion_ids: tuple[int, ...]
-    """completion ids ending with eos (rollout.encode_completion)"""
+    """completion ids ending with eos (pack.encode_completion)"""
     kind: str
     """one of KINDS"""
     problem: str

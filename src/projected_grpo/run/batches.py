@@ -3,7 +3,7 @@
 Per step: draw B prompts (from the environment's "warmup" set for the first `curriculum_steps` steps, then
 "train"), G_t frozen teacher rows per prompt from the pool, and G_s live student samples (all G when a
 prompt has no teacher rows and pool.missing = "students"), sampled with the knobs merged and graded through
-the environment (rollout.sample_and_grade). Groups whose G rewards have no spread are resampled here when
+the environment (sample.sample_and_grade). Groups whose G rewards have no spread are resampled here when
 loss.zero_var = "resample" (students only, a fresh seed per try). Under `route` the quarantine knob is on
 while the students sample, so the deployed model (quarantine zeroed) is sampled again on the same prompts
 with the students' seed; otherwise the students are the deployed model's samples (docs/architecture.md).
@@ -27,7 +27,8 @@ from projected_grpo.envs.base import Graded
 from projected_grpo.objective.advantages import zero_variance_mask
 from projected_grpo.run import dist
 from projected_grpo.run.pool import PoolCursor, PromptCursor
-from projected_grpo.run.rollout import Sample, sample_and_grade, step_seed
+from projected_grpo.sampling.generate import step_seed
+from projected_grpo.sampling.sample import Sample, sample_and_grade
 
 
 @dataclasses.dataclass

@@ -28,12 +28,16 @@ from projected_grpo import config as C
 from projected_grpo import presets, store
 from projected_grpo.errors import UserError
 from projected_grpo.hack import pairs as PR
+from projected_grpo.hack import resolve
 from projected_grpo.knobs import projection
 from projected_grpo.objective.losses import DPO_LOSSES
+from projected_grpo.objective.schedule import lr_at
 from projected_grpo.run import checkpoint, metrics, session, setup
-from projected_grpo.run.rollout import forward_logprobs, pack, sample_and_grade, step_seed
 from projected_grpo.run.row import rates
-from projected_grpo.run.schedule import lr_at
+from projected_grpo.sampling.generate import step_seed
+from projected_grpo.sampling.pack import pack
+from projected_grpo.sampling.sample import sample_and_grade
+from projected_grpo.sampling.score import forward_logprobs
 
 Item = tuple[list[int], list[int], list[int]]  # (prompt ids, chosen ids, rejected ids)
 
@@ -43,7 +47,7 @@ def load_dpo_pairs(cfg: C.Config, env, tok, problems: Sequence, run_dir: pathlib
     from the teacher pool (pool.path, else template rows built into run_dir/pool.jsonl) with detector E of
     every mode trained on; else a JSON/JSONL pairs file. Pair.hack is the rejected side, Pair.clean chosen."""
     if not cfg.dpo.pairs:
-        if not (found := setup.v_pairs(cfg, env, problems)):
+        if not (found := resolve.v_pairs(cfg, env, problems)):
             raise UserError(f"dpo: environment {env.name!r} has no hack and clean templates to pair; give "
                             "--dpo.pairs FILE (JSON/JSONL with prompt, hack, clean)")
         return found
@@ -155,7 +159,7 @@ def train_dpo(cfg: C.Config) -> dict:
             opt.load_state_dict(ck.optimizer_state)
             checkpoint.restore_rng(ck)
         else:
-            V_hack, v_line = setup.resolve_v_hack(cfg, model, knobs, tok, env, train_problems)
+            V_hack, v_line = resolve.resolve_v_hack(cfg, model, knobs, tok, env, train_problems)
         start = ck.step if ck is not None else 0
         metrics.truncate_to(run_dir, start - 1)
         logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)

@@ -2,12 +2,12 @@
 
 A pool is a JSONL file, one row per completion with exactly the keys `POOL_KEYS`; its `grade` is the
 environment's `Graded` record (envs/base.py). Rows come from the environment's templates (hack / clean /
-buggy completions per problem) or from sampling a teacher model (rollout.sample_and_grade), graded ONCE
+buggy completions per problem) or from sampling a teacher model (sample.sample_and_grade), graded ONCE
 and frozen: training reads the stored grade and never re-grades. Token ids are stored beside the text
 and training packs the stored ids: text is never re-tokenised. Loading validates every row (file, line,
 field) and guards tokenisation drift: the live chat-template encoding of each problem's prompt must equal
 the stored prompt_ids. Also here: deterministic, checkpointable prompt and teacher-row draws.
-Not here: grading (envs/), sampling (rollout.py), how teacher tokens enter the loss (objective/teacher.py).
+Not here: grading (envs/), sampling (sampling/), how teacher tokens enter the loss (objective/teacher.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from dataclasses import dataclass
 
 from projected_grpo.envs.base import KINDS, Graded
 from projected_grpo.errors import UserError
-from projected_grpo.run.rollout import Sample, encode_completion, step_seed
+from projected_grpo.sampling.generate import step_seed
+from projected_grpo.sampling.pack import encode_completion
+from projected_grpo.sampling.sample import Sample
 from projected_grpo.store import read_jsonl, tokenizer_fingerprint, write_jsonl_atomic
 
 # Row schema: key -> accepted JSON types (None allowed only for logp_behaviour).
@@ -68,7 +70,7 @@ def template_rows(env, problems: Sequence, tokenizer, prompts: Mapping[str, tupl
 
 def sampled_rows(samples: Sequence[Sample], tokenizer, prompts: Mapping[str, tuple[str, list[int]]],
                  name: str) -> list[dict]:
-    """Rows from samples of a teacher model (rollout.sample_and_grade), with their behaviour log-probs."""
+    """Rows from samples of a teacher model (sample.sample_and_grade), with their behaviour log-probs."""
     fp = tokenizer_fingerprint(tokenizer)
     return [pool_row(s, prompts[s.problem_id][0], fp, f"teacher:{name}") for s in samples]
 

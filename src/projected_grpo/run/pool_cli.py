@@ -12,7 +12,7 @@ from typing import Literal
 from projected_grpo import presets
 from projected_grpo.run import setup
 from projected_grpo.run.pool import build_report, sampled_rows, write_pool
-from projected_grpo.run.rollout import sample_and_grade
+from projected_grpo.sampling.sample import sample_and_grade
 
 
 @dataclass(frozen=True, kw_only=True)

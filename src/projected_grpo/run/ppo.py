@@ -28,6 +28,7 @@ import torch
 
 from projected_grpo import config as C
 from projected_grpo.errors import UserError
+from projected_grpo.hack import resolve
 from projected_grpo.knobs import projection
 from projected_grpo.knobs.value_head import ValueHead
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
@@ -43,11 +44,12 @@ from projected_grpo.objective.losses import (
     whiten,
     zero_pad,
 )
+from projected_grpo.objective.schedule import lr_at
 from projected_grpo.objective.teacher import TEACHER_MODES
 from projected_grpo.run import batches, checkpoint, metrics, session, setup
-from projected_grpo.run.rollout import SeqBatch, pack, pad_right, position_ids_from_mask, step_seed
 from projected_grpo.run.row import eval_rates, step_row
-from projected_grpo.run.schedule import lr_at
+from projected_grpo.sampling.generate import step_seed
+from projected_grpo.sampling.pack import SeqBatch, pack, pad_right, position_ids_from_mask
 
 # ppo.kl_to -> the log-probs the β·KL penalty is taken against, from (logp_old, logp_ref)
 KL_TARGETS = {"old": lambda logp_old, logp_ref: logp_old, "ref": lambda logp_old, logp_ref: logp_ref}
@@ -255,7 +257,7 @@ def train_ppo(cfg: C.Config) -> dict:
             session.load_cursors(data, ck)
             checkpoint.restore_rng(ck)
         else:
-            V_hack, v_line = setup.resolve_v_hack(cfg, model, knobs, tok, env, data.sets["train"])
+            V_hack, v_line = resolve.resolve_v_hack(cfg, model, knobs, tok, env, data.sets["train"])
         start = ck.step if ck is not None else 0
         metrics.truncate_to(run_dir, start - 1)
         logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)

@@ -25,7 +25,7 @@ from projected_grpo import config as C
 from projected_grpo import store
 from projected_grpo.run import checkpoint, dist, metrics, setup
 from projected_grpo.run.pool import PoolCursor, PromptCursor
-from projected_grpo.run.rollout import sample_and_grade
+from projected_grpo.sampling.sample import sample_and_grade
 
 
 def _log(msg: str) -> None:

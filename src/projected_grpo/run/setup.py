@@ -8,16 +8,14 @@ Each function takes the whole `Config` and reads its fields as `cfg.<section>.<f
                  pass's knobs under dpo.before)
   prompt_table   problem id -> (chat-formatted prompt text, ids) through the environment's messages
   open_pool      the teacher pool: a given file, or built once from the environment's templates
-  v_pairs, extract_settings, v_hack_path, resolve_v_hack   V_hack's inputs, cache key and cached extraction
+  mined_pairs    contrastive pairs mined from a graded pool file (V_hack's own resolution: hack/resolve.py)
 Nothing here trains; the loop (train.py) calls these in order. docs/architecture.md shows the data path.
 """
 
 from __future__ import annotations
 
-import contextlib
 import pathlib
 import sys
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -26,10 +24,10 @@ from projected_grpo import config as C
 from projected_grpo import store
 from projected_grpo.envs.base import RewardFnEnv, load_reward_fn
 from projected_grpo.errors import UserError
-from projected_grpo.hack import direction, pairs
+from projected_grpo.hack import pairs
 from projected_grpo.knobs import adapters
 from projected_grpo.run import pool as P
-from projected_grpo.run.rollout import prompt_text_and_ids
+from projected_grpo.sampling.pack import prompt_text_and_ids
 
 
 def _log(msg: str) -> None:
@@ -149,23 +147,6 @@ def wrap_knobs(cfg: C.Config, model) -> adapters.Knobs:
     return knobs
 
 
-@contextlib.contextmanager
-def at_zero(knobs: adapters.Knobs):
-    """Context: every knob (main and quarantine) set to exactly zero, its values restored on exit. For work
-    defined at the base model whatever the knobs start from (V_hack's extraction, whose cache key names the
-    model, not knob values)."""
-    saved = {w: {n: v.clone() for n, v in knobs.values(w).items()} for w in ("main", "hack")}
-    try:
-        for w in saved:
-            for v in knobs.values(w).values():
-                v.zero_()
-        yield knobs
-    finally:
-        for w, values in saved.items():
-            for n, v in knobs.values(w).items():
-                v.copy_(values[n])
-
-
 def cache_dir(cfg: C.Config) -> pathlib.Path:
     return store.cache_root(cfg.model.cache_dir or None)
 
@@ -201,7 +182,7 @@ def open_pool(cfg: C.Config, env, tokenizer, problems: Sequence, prompts: dict,
     return P.load_pool(path, tokenizer, problems, {i: ids for i, (_, ids) in prompts.items()})
 
 
-# --- V_hack ------------------------------------------------------------------------------------------------
+# --- pairs from a pool ----------------------------------------------------------------------------------
 
 def mined_pairs(pool_path: str, tokenizer, problems: Sequence, prompt_ids: dict, known_modes: Sequence[str],
                 detectors: Sequence[str] = ("E",), per_problem: int = 2) -> tuple[list[pairs.Pair], dict]:
@@ -210,52 +191,3 @@ def mined_pairs(pool_path: str, tokenizer, problems: Sequence, prompt_ids: dict,
     it."""
     rows = P.load_pool(pool_path, tokenizer, problems, prompt_ids).rows
     return pairs.pairs_from_pool(rows, known_modes, detectors, per_problem)
-
-
-def extract_settings(cfg: C.Config) -> direction.ExtractSettings:
-    """The extraction settings of cfg.proj (with the loss's constant denominator): V_hack's cache key."""
-    return direction.ExtractSettings(
-        k=cfg.proj.k, tau_axis=cfg.proj.tau_axis, n_heldout=cfg.proj.n_heldout, nll_norm=cfg.proj.nll_norm,
-        nll_const=float(cfg.rollout.dr_grpo_denom), control=cfg.proj.control,
-        # the seed only draws the controls; the real V is seed-free, so every seed shares one cached V
-        seed=cfg.run.seed if cfg.proj.control != "none" else 0)
-
-
-def v_pairs(cfg: C.Config, env, problems: Sequence) -> list[pairs.Pair]:
-    """V_hack's contrastive pairs: cfg.proj.pairs, else the environment's templates of `problems` ([] when
-    no problem has both a hack and a clean template, e.g. a plain reward callable's prompts)."""
-    if cfg.proj.pairs:
-        return pairs.load_pairs_file(cfg.proj.pairs)
-    if not any(env.templates(p, "hack") and env.templates(p, "clean") for p in problems):
-        return []
-    return pairs.builtin_pairs(env, problems, cfg.proj.pairs_per_problem)
-
-
-def v_hack_path(cfg: C.Config, knobs, tokenizer, pair_list, settings) -> pathlib.Path:
-    """cfg.proj.v_path, else the cache file keyed by everything the extraction depends on."""
-    if cfg.proj.v_path:
-        return pathlib.Path(cfg.proj.v_path)
-    key = store.stable_hash(direction.cache_meta(settings, knobs, tokenizer, pair_list))
-    return cache_dir(cfg) / "v_hack" / f"{key}.safetensors"
-
-
-def resolve_v_hack(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence):
-    """(V_hack post-processed for use (name -> (K, R)), status line): the cached direction, extracted on a
-    miss (slow on a real model: a line says so first)."""
-    settings = extract_settings(cfg)
-    pair_list = [] if cfg.proj.v_path else v_pairs(cfg, env, problems)
-    if not pair_list and not cfg.proj.v_path:
-        if cfg.proj.arm != "none":
-            raise UserError(f"proj.arm={cfg.proj.arm!r} needs V_hack, but environment {env.name!r} has no "
-                            "hack and clean templates to pair: give --proj.pairs FILE or --proj.v-path FILE")
-        return {}, "V_hack: none (no pairs in this environment; arm none measures nothing, proj/* read 0)"
-    path = v_hack_path(cfg, knobs, tokenizer, pair_list, settings)
-    if not path.exists():
-        _log(f"V_hack: extracting from {len(pair_list)} pairs into {path} (first use of these inputs)")
-    t0 = time.perf_counter()
-    with at_zero(knobs):  # model.init_knobs / dpo.before: still the base model's V_hack (its cache key)
-        found, status = direction.resolve(path, settings, model, knobs, tokenizer, pair_list)
-    V, report = direction.postprocess(found.V, found.S, cfg.proj.k_use, cfg.proj.drop_bottom_frac)
-    line = (f"V_hack {path} ({status}, {time.perf_counter() - t0:.0f} s): {sum(len(v) for v in V.values())} "
-            f"rows in {len(V)} modules, dropped {report['dropped_modules']}")
-    return V, line

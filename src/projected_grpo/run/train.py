@@ -24,7 +24,7 @@ import torch
 
 from projected_grpo import config as C
 from projected_grpo import presets
-from projected_grpo.hack import direction
+from projected_grpo.hack import direction, resolve
 from projected_grpo.knobs import projection
 from projected_grpo.objective.advantages import ADVANTAGES
 from projected_grpo.objective.losses import (
@@ -34,12 +34,12 @@ from projected_grpo.objective.losses import (
     clip_surrogate,
     masked_mean,
 )
+from projected_grpo.objective.schedule import lr_at
 from projected_grpo.objective.teacher import TEACHER_MODES
 from projected_grpo.run import batches, checkpoint, dist, dpo, metrics, ppo, session, setup
-from projected_grpo.run.prefix import scoring
-from projected_grpo.run.rollout import pad_right
 from projected_grpo.run.row import eval_rates, step_row
-from projected_grpo.run.schedule import lr_at
+from projected_grpo.sampling.pack import pad_right
+from projected_grpo.sampling.prefix import scoring
 
 
 def train(cfg: C.Config) -> dict:
@@ -74,7 +74,7 @@ def train(cfg: C.Config) -> dict:
             checkpoint.restore_rng(ck)
         else:
             with dist.main_first():
-                V_hack, v_line = setup.resolve_v_hack(cfg, model, knobs, tok, env, sets["train"])
+                V_hack, v_line = resolve.resolve_v_hack(cfg, model, knobs, tok, env, sets["train"])
         start = ck.step if ck is not None else 0
         if rank0:
             metrics.truncate_to(run_dir, start - 1)
@@ -187,8 +187,8 @@ def train(cfg: C.Config) -> dict:
             if cfg.proj.refresh_every and (step + 1) % cfg.proj.refresh_every == 0:
                 with knobs.ablate_quarantine():
                     fresh = direction.extract_direction(model, knobs, tok,
-                                                        setup.v_pairs(cfg, env, sets["train"]),
-                                                        setup.extract_settings(cfg))
+                                                        resolve.v_pairs(cfg, env, sets["train"]),
+                                                        resolve.extract_settings(cfg))
                 V_new, _ = direction.postprocess(fresh.V, fresh.S, cfg.proj.k_use, cfg.proj.drop_bottom_frac)
                 both = [n for n in V_new if n in V_hack]  # ||V_old V_new^T||_F^2 / K, mean over modules
                 extra["proj/v_overlap"] = sum(float((V_hack[n] @ V_new[n].T).square().sum()) / min(

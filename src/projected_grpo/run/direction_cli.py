@@ -13,6 +13,7 @@ import torch
 
 from projected_grpo import presets
 from projected_grpo.errors import UserError
+from projected_grpo.hack import resolve as hack_resolve
 from projected_grpo.hack.direction import extract_direction, postprocess, resolve
 from projected_grpo.hack.pairs import DETECTORS
 
@@ -51,8 +52,8 @@ def main(argv: list[str]) -> int:
                                        cfg.proj.pairs_per_problem)
             print(f"pool pairs: {stats}")
         else:
-            pairs = setup.v_pairs(cfg, env, problems)
-    s = setup.extract_settings(cfg)
+            pairs = hack_resolve.v_pairs(cfg, env, problems)
+    s = hack_resolve.extract_settings(cfg)
     if opts.out:
         d, status = resolve(opts.out, s, model, knobs, tok, pairs)
         print(f"cache {opts.out}: {status}")

@@ -3,7 +3,7 @@
 Each takes the next-token logits of N rows and returns the drawn token and the log-probability it was drawn
 with (the behaviour logp the loss and the teacher rows' importance weights read). `draw` splits the rows
 over one torch.Generator per prompt when sampling seeds are per prompt (rollout.seed_scope = "prompt").
-Not here: the decode loop (rollout.generate), the forward (decode_step.py).
+Not here: the decode loop (generate.generate), the forward (decode_step.py).
 """
 
 from __future__ import annotations

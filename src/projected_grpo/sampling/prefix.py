@@ -1,6 +1,6 @@
 """Prefix-shared scoring: each group's prompt is run once, its keys/values shared by the group's completions.
 
-The packed forward (rollout.forward_logprobs) recomputes a prompt in every row that holds it: G times per
+The packed forward (score.forward_logprobs) recomputes a prompt in every row that holds it: G times per
 group, in the training forward, its backward and the reference forward. Here the distinct prompts run once
 (one row per (prompt, source): a group's students and teacher rows get separate prompt rows, so each
 prompt row's knob gradient comes from one source and the per-source split stays exact), with a KV cache
@@ -10,7 +10,7 @@ first completion token is scored from the prompt's last position. Same log-probs
 packed forward up to fp32 rounding (tests/test_prefix.py), at prompt cost once per prompt.
 Not here: per-sequence knob gradients (a shared prompt row has none: Capture.rows refuses), models with
 sliding-window or recurrent cache layers (`supported` says no; `scoring` then falls back to the packed
-forward), sampling (rollout.generate).
+forward), sampling (generate.generate).
 """
 
 from __future__ import annotations
@@ -27,14 +27,8 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from projected_grpo.knobs.checkpointing import recomputing
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
-from projected_grpo.run.rollout import (
-    SeqBatch,
-    _accepts_logits_to_keep,
-    _left_pad,
-    forward_logprobs,
-    pack,
-    position_ids_from_mask,
-)
+from projected_grpo.sampling.pack import SeqBatch, left_pad, pack, position_ids_from_mask
+from projected_grpo.sampling.score import accepts_logits_to_keep, forward_logprobs
 
 
 @dataclass
@@ -75,7 +69,7 @@ def pack_prefix(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Se
     rows: dict[tuple[tuple[int, ...], bool], int] = {}
     owner = [rows.setdefault((tuple(p), s), len(rows)) for p, s in zip(prompt_ids, flags)]
     keys = list(rows)
-    p_ids, p_mask = _left_pad([k[0] for k in keys], max(len(k[0]) for k in keys), pad_id)
+    p_ids, p_mask = left_pad([k[0] for k in keys], max(len(k[0]) for k in keys), pad_id)
     T = max(len(c) for c in completion_ids)
     c_ids = torch.full((len(completion_ids), T), pad_id, dtype=torch.long)
     for i, c in enumerate(completion_ids):
@@ -142,7 +136,7 @@ def _cache(model, layers: list[DynamicLayer]) -> _ReplaySafeCache:
 def prefix_logprobs(model, batch: PrefixBatch, *, temperature: float = 1.0, with_entropy: bool = False,
                     capture=None) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (N, T) of the completion tokens (and detached entropies (N, T) when
-    `with_entropy`), as rollout.forward_logprobs gives on the packed batch; 0 outside completion_mask.
+    `with_entropy`), as score.forward_logprobs gives on the packed batch; 0 outside completion_mask.
 
     capture: the open `Knobs.capture(is_student)` of this forward, if any; its is_student must be the
     sequences' sources (batch.prefix_student[batch.owner]). The prompt rows' forward runs under its
@@ -155,7 +149,7 @@ def prefix_logprobs(model, batch: PrefixBatch, *, temperature: float = 1.0, with
                          "the batch with the same is_student the capture was opened with")
     # 1. the prompts, once per (prompt, source), with grad and a cache; only the last position's logits
     cache = _cache(model, [])
-    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+    keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
     with contextlib.nullcontext() if capture is None else capture.rows(batch.prefix_student):
         out = model(input_ids=batch.prefix_ids, attention_mask=batch.prefix_mask,
                     position_ids=position_ids_from_mask(batch.prefix_mask), past_key_values=cache,

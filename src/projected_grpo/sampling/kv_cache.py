@@ -1,6 +1,6 @@
-"""KV caches for `rollout.generate`'s decode, by name (KV_CACHES): "preallocated" (the default) writes into
+"""KV caches for `generate.generate`'s decode, by name (KV_CACHES): "preallocated" (the default) writes into
 buffers sized once for prompt + max_new_tokens; "dynamic" is transformers' own DynamicCache. Both give the
-same keys and values bit for bit. Not here: the decode loop (rollout.py), the scoring caches (prefix.py).
+same keys and values bit for bit. Not here: the decode loop (generate.py), the scoring caches (prefix.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""rollout.py: packing by hand, encode helpers, seeded batched generation, scoring forward."""
+"""sampling/: packing by hand, encode helpers, seeded batched generation, scoring forward."""
 
 from __future__ import annotations
 
@@ -9,21 +9,18 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from projected_grpo.run.rollout import (
-    Rollout,
+from projected_grpo.sampling.generate import Rollout, generate, step_seed
+from projected_grpo.sampling.pack import (
     SeqBatch,
-    _accepts_logits_to_keep,
-    _left_pad,
     encode_completion,
     encode_prompt,
-    forward_logprobs,
-    generate,
+    left_pad,
     pack,
     pad_right,
     position_ids_from_mask,
-    step_seed,
 )
-from projected_grpo.run.sampling import SAMPLERS
+from projected_grpo.sampling.samplers import SAMPLERS
+from projected_grpo.sampling.score import accepts_logits_to_keep, forward_logprobs
 
 WORDS = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "hello", "world", "a", "b", "c"]
 PAD, EOS = 0, 1
@@ -212,10 +209,10 @@ def generate_before(model, prompt_ids, n_samples, *, max_new_tokens, temperature
     eos = torch.as_tensor(eos_id, dtype=torch.long, device=device).reshape(-1)
     rows = [list(p) for p in prompt_ids for _ in range(n_samples)]
     N = len(rows)
-    ids, mask = _left_pad(rows, max(len(r) for r in rows), pad_id)
+    ids, mask = left_pad(rows, max(len(r) for r in rows), pad_id)
     pos = position_ids_from_mask(mask)
     gen = torch.Generator(device=device).manual_seed(int(seed))
-    keep = {"logits_to_keep": 1} if _accepts_logits_to_keep(model) else {}
+    keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
     toks = torch.full((N, max_new_tokens), pad_id, dtype=torch.long)
     logps = torch.zeros((N, max_new_tokens), dtype=torch.float32)
     lens = torch.full((N,), max_new_tokens, dtype=torch.long)

@@ -1,7 +1,7 @@
 """A lean one-token decode step for Llama-family decoder models: the same next-token logits as the Hugging
 Face forward, bit for bit, with a fraction of its Python per call.
 
-`decode_step(model, past, mask, keep, lean)` is chosen once per `rollout.generate` call, after the HF
+`decode_step(model, past, mask, keep, lean)` is chosen once per `generate.generate` call, after the HF
 prefill: the lean step for an allow-listed model (LlamaForCausalLM, Qwen2ForCausalLM; sdpa or eager
 attention; every layer full attention in the preallocated KV cache, kv_cache._GrowingLayer), else the
 plain HF call. The lean step runs the tensor ops of transformers 5.23's forward of one token
@@ -9,7 +9,8 @@ plain HF call. The lean step runs the tensor ops of transformers 5.23's forward 
 order on the same shapes, so it rounds identically; what it drops is the per-call machinery around them
 (output capturing, kwargs plumbing, config look-ups, the mask rebuilt each token). Projections, the
 embedding, the activation and the rotary embedding are called as the model's own modules, so knob wrappers
-(knobs.adapters.KnobLinear) keep working. Not here: the prefill, sampling (rollout.py), training forwards.
+(knobs.adapters.KnobLinear) keep working. Not here: the prefill, the
+decode loop (generate.py), training forwards.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from transformers.cache_utils import DynamicCache
 
-from projected_grpo.run.kv_cache import _GrowingLayer
+from projected_grpo.sampling.kv_cache import _GrowingLayer
 
 # tok (N,) long, pos (N, 1) its positions, n = the cache length after tok -> logits (N, V) of the next token
 Step = Callable[[Tensor, Tensor, int], Tensor]

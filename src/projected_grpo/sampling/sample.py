@@ -1,0 +1,64 @@
+"""sample -> decode -> grade: the one path from a model to graded completions.
+
+`sample_and_grade` samples (generate.py), decodes and grades through the environment; students, the
+deployed view, evals, teacher pools and organism checks use it, and its `Sample` is the one record of a
+completion in a group (teacher pool rows become Samples too).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from projected_grpo.envs.base import Graded
+from projected_grpo.sampling.generate import generate
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One graded completion of a group, student or teacher: what the loss packs and the metrics count.
+
+    prompt_ids / completion_ids: token ids exactly as packed (EOS included when emitted or stored).
+    text: the decoded completion the environment graded. logp_behaviour: per completion token, the
+    log-prob it was sampled under (None for template teacher rows). truncated: hit max_new_tokens.
+    student: sampled live by the policy (False: a frozen teacher pool row).
+    """
+
+    problem_id: str
+    mode: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    logp_behaviour: list[float] | None
+    truncated: bool
+    student: bool
+    grade: Graded
+
+
+def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapping[str, list[int]],
+                     n_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                     seed: int | Sequence[int], clock: dict[str, float] | None = None,
+                     share_prefill: bool = False) -> list[Sample]:
+    """Sample `n_samples` completions of every problem in one batch, decode, grade with `env`.
+
+    Returns B * n_samples Samples, prompt-major (problem b's samples are rows b * n .. b * n + n - 1).
+    seed: one for the batch, or one per problem (generate).
+    The caller chooses the model's view (knobs.merged() / ablate_quarantine()) and no_grad. `clock`, when
+    given, accumulates seconds under "generate" and "grade". share_prefill: generate's.
+    """
+    t0 = time.perf_counter()
+    ro = generate(model, [prompt_ids[p.id] for p in problems], n_samples, max_new_tokens=max_new_tokens,
+                  temperature=temperature, top_p=top_p, seed=seed, eos_id=tokenizer.eos_token_id,
+                  pad_id=tokenizer.pad_token_id, share_prefill=share_prefill)
+    t1 = time.perf_counter()
+    texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
+    owners = [p for p in problems for _ in range(n_samples)]
+    grades = env.grade(texts, owners)
+    if clock is not None:
+        clock["generate"] = clock.get("generate", 0.0) + t1 - t0
+        clock["grade"] = clock.get("grade", 0.0) + time.perf_counter() - t1
+    return [Sample(problem_id=p.id, mode=p.mode, prompt_ids=ro.prompt_ids[i],
+                   completion_ids=ro.completion_ids[i], text=texts[i], logp_behaviour=ro.logp[i].tolist(),
+                   truncated=bool(ro.truncated[i]), student=True, grade=grades[i])
+            for i, p in enumerate(owners)]
