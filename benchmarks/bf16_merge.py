@@ -15,6 +15,8 @@ Last line: `RESULT realised_fused_over_branch=<mean ratio over the ε where the 
 
 from __future__ import annotations
 
+import pathlib
+import sys
 import tempfile
 from collections import OrderedDict
 
@@ -22,7 +24,9 @@ import torch
 from torch import nn
 
 from projected_grpo.knobs.adapters import wrap
-from projected_grpo.knobs.reference import branch_path
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # the test oracles
+from oracles import branch_path
 
 
 def main() -> None:

@@ -27,12 +27,15 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import pathlib
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # the test oracles
 
 VARIANTS = {  # name -> (knob kind or None for full fine-tuning, rank, side-branch reference?)
     "full_ft": (None, None, False), "branch_svd": ("svd", None, True), "fused_svd": ("svd", None, False),
@@ -71,10 +74,10 @@ def train_worker(opt: dict) -> dict:
     import contextlib
 
     import torch
+    from oracles import branch_path
 
     from projected_grpo.knobs import checkpointing
     from projected_grpo.knobs.adapters import wrap
-    from projected_grpo.knobs.reference import branch_path
     from projected_grpo.sampling.pack import pack
     from projected_grpo.sampling.score import forward_logprobs
 

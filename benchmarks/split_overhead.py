@@ -15,8 +15,10 @@ Last line: `RESULT split_vs_plain=<r> two_backward_vs_plain=<r>`.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import random
 import statistics
+import sys
 import tempfile
 import time
 
@@ -24,7 +26,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from projected_grpo.knobs.adapters import wrap
-from projected_grpo.knobs.split import two_backward_split
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))  # the test oracles
+from oracles import two_backward_split
 
 
 def per_seq_loss(model, x, adv):

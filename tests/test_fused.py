@@ -11,14 +11,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import branch_path, two_backward_split
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from projected_grpo.knobs import checkpointing, fused
 from projected_grpo.knobs.adapters import wrap
 from projected_grpo.knobs.fused import lora_knob_grad, svd_knob_grad, svd_knob_grad_dw
-from projected_grpo.knobs.reference import branch_path
-from projected_grpo.knobs.split import two_backward_split
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")

@@ -12,9 +12,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import pair_grads_isolated
 from torch import nn
 
-from projected_grpo.hack.knob_grads import pair_grads, pair_grads_isolated
+from projected_grpo.hack.knob_grads import pair_grads
 from projected_grpo.hack.pairs import Pair
 from projected_grpo.knobs.adapters import wrap
 

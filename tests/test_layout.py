@@ -11,9 +11,9 @@ import pathlib
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "projected_grpo"
 
-# layer -> the layers its modules may import (every import counts, lazy ones inside functions too). The floors,
-# bottom-up (docs/architecture.md "Layers"): base modules; objective; knobs, envs; sampling; hack, organism;
-# run; study; cli. A layer imports only its own floor's folder and the floors below it.
+# layer -> the layers its modules may import (every import counts, lazy ones inside functions too).
+# The floors, bottom-up (docs/architecture.md "Layers"): base modules; objective; knobs, envs; sampling;
+# hack, organism; run; study; cli. A layer imports its own folder and the floors below it.
 BASE = {"store", "errors"}
 ALLOWED: dict[str, set[str]] = {
     "store": {"errors"}, "errors": set(), "config": {"errors", "configio", "config_algos"},

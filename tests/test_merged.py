@@ -11,10 +11,10 @@ import torch
 from adapter_helpers import ids, randomize, tiny
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import branch_path
 from torch import nn
 
 from projected_grpo.knobs.adapters import wrap
-from projected_grpo.knobs.reference import branch_path
 
 # --- merged(): sampling through W_eff = W + ΔW instead of the knob side path ---------------------------
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from oracles import two_backward_split
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -23,7 +24,6 @@ from transformers import (
 )
 
 from projected_grpo.knobs.adapters import wrap
-from projected_grpo.knobs.split import two_backward_split
 from projected_grpo.sampling.generate import generate
 from projected_grpo.sampling.pack import pack
 from projected_grpo.sampling.prefix import SCORINGS, pack_prefix, prefix_logprobs, scoring, supported

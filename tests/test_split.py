@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracles import two_backward_split
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from projected_grpo.knobs.adapters import wrap
-from projected_grpo.knobs.split import Capture, two_backward_split
+from projected_grpo.knobs.split import Capture
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")

@@ -90,7 +90,7 @@ class EnvCfg:
     workers: int = 0
     """sandbox worker processes (0 = one per core)"""
     curriculum_steps: int = 0
-    """maths: steps drawn from the easy arithmetic warm-up set before the main set (seed 003's curriculum)"""
+    """maths: steps drawn from the easy arithmetic warm-up set before the main set (a curriculum)"""
     eval_size: int = 200
     """maths: problems in the fixed held-out eval set (eval/accuracy every run.eval_every steps)"""
     warmup_levels: tuple[int, ...] = (1, 2, 3)
@@ -210,9 +210,9 @@ class LossCfg:
     eps_high: float = 0.2
     """PPO clip: ratio ceiling 1 + eps_high"""
     teacher: Literal["imitation", "importance", "exclude"] = "imitation"
-    """teacher rows: `imitation` logp_old = current policy (ratio 1, the seed), `importance` the stored
-    behaviour log-probs give per-token ratios pi/mu, truncated, as loss weights, `exclude` baseline only
-    (no loss on teacher tokens); docs/losses.md, objective/teacher.py"""
+    """teacher rows: `imitation` logp_old = current policy (ratio 1, the original study's), `importance`
+    the stored behaviour log-probs give per-token ratios pi/mu, truncated, as loss weights, `exclude`
+    baseline only (no loss on teacher tokens); docs/losses.md, objective/teacher.py"""
     is_trunc: float = 2.0
     """importance: truncation cap C of the per-token IS weight min(exp(logp - logp_behaviour), C)"""
     zero_var: Literal["skip", "resample"] = "skip"
@@ -261,14 +261,14 @@ class ProjCfg:
     n_heldout: int = 2
     """extraction: pairs held out for the held-out score"""
     nll_norm: Literal["mean", "constant"] = "mean"
-    """extraction NLL normalisation: per-completion mean (seed 001) or the training loss's constant
+    """extraction NLL normalisation: per-completion mean or the training loss's constant
     denominator G * max_new_tokens * prompts_per_step (the Dr.GRPO aggregation's, docs/losses.md)"""
     refresh_every: int = 0
     """re-extract V_hack online every N steps under ablate_quarantine() (0 = never)"""
     train_deploy: bool = False
     """route only: the deployed view's samples (quarantine zeroed, drawn every step for hack/deploy) train
     the main knob too, as groups of their own (same teacher rows) whose forward zeroes the quarantine: the
-    deployed model then trains on its own samples (issue 14's route repair)"""
+    deployed model then trains on its own samples (docs/findings.md 4)"""
 
     def __post_init__(self) -> None:
         _check(self)

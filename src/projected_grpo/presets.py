@@ -1,6 +1,6 @@
 """Named presets (configs, not code paths) and every command's argv -> (Config, options).
 
-smoke: seconds on a CPU. demo: the embedded organism, calibrated (issue 7). fast / full: the original
+smoke: seconds on a CPU. demo: the embedded organism, calibrated (docs/findings.md). fast / full: the original
 study's Qwen3-4B settings (model from --model). smollm2-cpu / smollm2-gpu: SmolLM2-135M-Instruct
 (`--model smollm2` after `projected-grpo get-model smollm2`). `parse` reads a command line in two tyro
 passes: the command's options (a dataclass extending `Base`: --preset, --config, --model, ...), then
@@ -31,8 +31,8 @@ from projected_grpo.errors import UserError
 SMOKE = Config(env=EnvCfg(max_problems=12), pool=PoolCfg(n_hack=1, n_clean=1),
                proj=ProjCfg(pairs_per_problem=1))
 
-# The embedded organism (organism/build.py's OrganismConfig) on all six loophole modes, calibrated in issue 14
-# (docs/findings.md has every probe). Pure student GRPO (mix 0): with teacher rows in the groups (the seed's
+# The embedded organism (organism/build.py's OrganismConfig) on all six loophole modes, calibrated
+# (docs/findings.md has every probe). Pure student GRPO (mix 0): with teacher rows in the groups (the study's
 # mixed pool, DEMO_POOL below) training on the honest reward *lowered* solving (0.41 -> 0.13 at mix 0.5;
 # -2 and +7 points at mix 0.125 and 0.25, +25 at mix 0: findings section 7), so the mixed pool made the
 # positive control fail and every arm lose well-formed answers. The pool still supplies V_hack's (hack,
@@ -48,7 +48,7 @@ DEMO = Config(
 )
 
 # The demo as first calibrated (findings sections 1-6): half of each group from the teacher pool (2 hack,
-# 1 clean, 1 buggy template rows per problem, advantage-weighted imitation as in seed 000), 100 steps.
+# 1 clean, 1 buggy template rows per problem, advantage-weighted imitation as originally), 100 steps.
 DEMO_POOL = replace(DEMO, rollout={"mix": 0.5}, run={"steps": 100, "checkpoint_every": 25})
 
 # The maths organism (organism/maths.py) trained honestly: the strict verifier, the arithmetic curriculum
@@ -68,9 +68,9 @@ MATH_DEMO = Config(
     run=RunCfg(steps=300, checkpoint_every=100, eval_every=10),
 )
 
-# The original study's Qwen3-4B settings (seed 002 and the study's README); model from --model. As the seed
-# has them (issue 14): gradient clip norm 10 and a cosine that decays to 0 in both; `full` mixes half its
-# group from the teacher pool and uses AdamW's default betas (0.9, 0.99 as the seed writes them).
+# The original rl-rewardhacking study's Qwen3-4B settings; model from --model. As the study
+# has them: gradient clip norm 10 and a cosine that decays to 0 in both; `full` mixes half its
+# group from the teacher pool and uses AdamW's default betas (0.9, 0.99 as the study writes them).
 FAST = Config(
     model=ModelCfg(source="hf", dtype="bfloat16", device="cuda"),
     rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.125, max_new_tokens=512, micro_prompts=1),
@@ -90,7 +90,7 @@ FULL = Config(
 
 # SmolLM2-135M-Instruct (`projected-grpo get-model smollm2`; its ChatML template formats every prompt) on
 # the code loophole environment. CPU: a smoke of the mechanics on a real model, one problem per loophole
-# mode, one group of 3 students + 1 teacher row per step. Measured on 2 shared cores, 1 thread (issue 19):
+# mode, one group of 3 students + 1 teacher row per step. Measured on 2 shared cores, 1 thread:
 # 18.1 / 19.1 / 19.8 s per step (generate ~8.5 s, forward+backward ~10.5 s), 70 s wall for 3 steps with
 # the SVD and V_hack caches warm, peak RSS 4.5 GB. First use adds ~22 s of SVDs (210 modules) and ~40 s
 # of V_hack extraction (6 pairs, peak RSS 8.6 GB). Two prompts per step took 37-46 s per step.

@@ -6,7 +6,7 @@ from a safetensors file is copied into fresh memory (`load_tensors`): `safetenso
 the file's mmap at 8-byte offsets, and on MKL's SSE4.2/AVX code paths (AMD and older Intel CPUs) a
 matrix product's rounding depends on its operands' alignment, so a V_hack read from a checkpoint gave
 other last bits than the same V computed in memory, and a resumed run drifted from an uninterrupted one
-(issue 13; docs/architecture.md). Hashes: `stable_hash` of JSON-able values, `weight_hash` of a tensor's
+(docs/architecture.md). Hashes: `stable_hash` of JSON-able values, `weight_hash` of a tensor's
 bytes, `tokenizer_fingerprint` of what encodes text. Not here: what the files mean (their callers).
 """
 

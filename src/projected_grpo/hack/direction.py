@@ -1,7 +1,7 @@
 """Hack-direction extraction (V_hack): per-module SVD of paired knob-gradient differences.
 
 The GRPO step on one perfectly labelled pair (adv_hack = +1, adv_clean = -1, no clip) is
-∇NLL(hack) − ∇NLL(clean) (seed 001), so per pair and label we take the gradient of that completion's
+∇NLL(hack) − ∇NLL(clean), so per pair and label we take the gradient of that completion's
 NLL alone on the knobs (batched, knob_grads.py), stack D = g_hack − g_clean (P × R) per module, and
 keep the top-k right singular vectors (top-k, not the mean difference: hacks are multi-modal, CHaRS,
 Abdullaev 2025), each oriented hack-ward by per-pair majority vote, because the projection's one-sided
@@ -83,7 +83,7 @@ def top_directions(D: Tensor, k: int, tau_axis: float = 0.0) -> tuple[Tensor, Te
 
     SVD in fp32; each axis oriented by per-pair majority vote: +v when at least as many rows of D have a
     positive as a negative projection (ties -> +1; zero projections abstain). Majority vote rather than
-    sign of the mean is robust to a few outlier pairs (repeng convention, seed 001). Weak axes
+    sign of the mean is robust to a few outlier pairs (the repeng convention). Weak axes
     (S_i / S_0 < tau_axis) are DROPPED, not zeroed: S is descending, so they are a suffix, V keeps
     orthonormal rows and K counts only real axes. All-zero D gives K = 0.
     """
@@ -145,7 +145,7 @@ def directions_from_grads(g_hack: dict[str, Tensor], g_clean: dict[str, Tensor],
 
 def postprocess(V: dict[str, Tensor], S: dict[str, Tensor], k_use: int | None = None,
                 drop_bottom_frac: float = 0.0) -> tuple[dict[str, Tensor], dict]:
-    """Load-time post-processing (seed 001): V[name] (K, R), S[name] (K,) -> V_used[name] (K', R), report.
+    """Load-time post-processing : V[name] (K, R), S[name] (K,) -> V_used[name] (K', R), report.
 
     Keeps the top k_use rows (None: all), then a global noise floor: the drop_bottom_frac quantile
     (linear interpolation) of ALL modules' stored singular values pooled (before the k_use slice, so

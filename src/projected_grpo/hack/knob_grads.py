@@ -4,8 +4,8 @@ For every pair and label (hack, clean) we need the gradient, on the main knobs, 
 NLL. `pair_grads` gets them in batches: a chunk of sequences (both labels of several pairs) is packed,
 one forward scores it, and ONE backward of Σ_sequences NLL_sequence yields each sequence's own gradient
 through the knob adapters' per-sequence capture (split.py): sequences never mix inside the model, so
-row n of the capture is exactly ∂NLL_n/∂knobs. `pair_grads_isolated` (the original one forward +
-backward per pair and label) is kept as its test oracle. Both use `torch.autograd.grad`, so no .grad is
+row n of the capture is exactly ∂NLL_n/∂knobs. tests/oracles.pair_grads_isolated (one forward +
+backward per pair and label) is its test oracle. Both use `torch.autograd.grad`, so no .grad is
 touched and extraction may run mid-training (train.py's online V refresh).
 Deliberately not here: the SVD, orientation and storage of V_hack (direction.py).
 """
@@ -27,12 +27,12 @@ LABELS = ("hack", "clean")
 
 
 def _nll_mean(logp: Tensor, mask: Tensor, const: float) -> Tensor:
-    return -(logp * mask).sum(-1) / mask.sum(-1)  # (N,) seed 001: length-normalised
+    return -(logp * mask).sum(-1) / mask.sum(-1)  # (N,) length-normalised
 
 
 def _nll_constant(logp: Tensor, mask: Tensor, const: float) -> Tensor:
     # Dr.GRPO (Liu et al. 2025): token sum / a constant, the metric the dr_grpo training loss uses, so
-    # V is not biased toward short completions as the per-completion mean is (seed 001 REVIEW note).
+    # V is not biased toward short completions as the per-completion mean is (docs/losses.md).
     return -(logp * mask).sum(-1) / const  # (N,)
 
 
@@ -138,28 +138,3 @@ def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean
     finally:
         model.train(was_training)
     return _split_labels(rows)
-
-
-def pair_grads_isolated(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean",
-                        nll_const: float = 1.0) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """The test oracle for `pair_grads`: the same (P, R) outputs from one isolated forward +
-    `torch.autograd.grad` per pair and label (2P backwards; slow). Needs only knobs.modules[n].delta."""
-    nll_fn, seqs, names, params, pad_id, device = _setup(model, knobs, tokenizer, pairs, norm)
-    rows: dict[str, list[Tensor]] = {n: [] for n in names}
-    was_training = model.training
-    model.eval()
-    try:
-        for s in seqs:
-            batch = pack([s[2]], [s[3]], pad_id).to(device)
-            with torch.enable_grad():
-                logp, _ = forward_logprobs(model, batch)  # (1, T)
-                nll = nll_fn(logp.float(), batch.completion_mask, nll_const)  # (1,)
-                _check_finite(nll, [s], pairs)
-                grads = torch.autograd.grad(nll[0], params, allow_unused=True)
-            for n, g in zip(names, grads):
-                if g is None:
-                    raise _not_on_graph(n)
-                rows[n].append(g.detach().reshape(-1).float().cpu())
-    finally:
-        model.train(was_training)
-    return _split_labels({n: torch.stack(v) for n, v in rows.items()})

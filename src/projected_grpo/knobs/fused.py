@@ -111,9 +111,9 @@ def _forward(ctx, x: Tensor, delta: Tensor, W_eff: Tensor, bias: Tensor | None, 
     """y = x·W_effᵀ + b. Keeps for the backward W_eff and the narrower of x and h = x·Pᵀ (N, ..., R), P the
     knob's input projection (svd Vh, lora A) or None when the knob gradient needs x itself: h when R < d_in
     (the down projection at full svd rank, every lora module), so x, often an activation nothing else
-    keeps, is freed after the forward (issue 18). Saved with save_for_backward, not as ctx attributes, so
-    autograd frees both after the backward: as an attribute W_eff lived as long as the graph, through the
-    next step's re-merge and forward. Under checkpointing both are recomputed in the backward."""
+    keeps, is freed after the forward (docs/benchmarks.md, memory). Saved with save_for_backward, not as ctx
+    attributes, so autograd frees both after the backward: as an attribute W_eff lived as long as the graph,
+    through the next step's re-merge and forward. Under checkpointing both are recomputed in the backward."""
     ctx.knob_dtype = delta.dtype
     ctx.keeps_h = P is not None and P.shape[0] < x.shape[-1]
     ctx.save_for_backward(x @ P.T if ctx.keeps_h else x, W_eff)

@@ -10,7 +10,7 @@ does not stop Adam's moments and per-coordinate scaling from moving the knobs ha
 update itself can be projected, and its hack-ward fraction `proj/cout_update` is logged in every mode.
 Diagnostics use relu-before-aggregation: cin = ‖relu(V·g)‖/‖g‖ per module, and over modules
 sqrt(Σ‖relu(V_m·g_m)‖²)/sqrt(Σ‖g_m‖²) (modules without V are left out of both sums); `apply_arm` also
-returns the original study's aggregate, the mean over modules of the per-module ratios (seeds 000-002).
+returns the original study's aggregate, the mean over modules of the per-module ratios.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def _aggregate(per_module: list[dict[str, torch.Tensor]], n_modules: int, prefix
 
 
 def module_means(per_module: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The original study's aggregate (seeds 000-002): the mean over modules of the per-module ratios
+    """The original study's aggregate: the mean over modules of the per-module ratios
     cin = ‖relu(V_m·g_m)‖/‖g_m‖ and cout (a module with g_m = 0 counts as 0); 0 with no module.
     proj/cin_module_mean, proj/cout_module_mean. Unlike the pooled ratio it weighs every module alike,
     so a module with a tiny gradient counts as much as the one that carries the step."""
@@ -164,7 +164,7 @@ def step_norms(knobs, before: dict[str, torch.Tensor], before_hack: dict[str, to
     """How far this step moved the knobs, everything included (AdamW, update projection, routing):
     knob/step = ‖δ_after − δ_before‖ over all main knobs, knob/hack_step the same for the quarantine.
     Under gradient-mode `route` AdamW scales each quarantine coordinate's routed gradient to about lr,
-    however small it is, so knob/hack_step ≈ lr·sqrt(coordinates it reached) (issue 14's measurement)."""
+    however small it is, so knob/hack_step ≈ lr·sqrt(coordinates it reached) (docs/findings.md 7.2)."""
     out = {}
     for key, which, old in (("knob/step", "main", before), ("knob/hack_step", "hack", before_hack)):
         now = knobs.values(which)

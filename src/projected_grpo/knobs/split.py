@@ -4,8 +4,8 @@ A knob's gradient is a sum over tokens of per-token terms (δS: (x·Vhᵀ) ⊙ (
 While `Knobs.capture(is_student)` is open, each knob forward with grad registers a watch, and the
 backward of its fused Function (fused.py) reduces those terms per sequence, (N, R), and hands them to
 the watch, which adds the student rows to `g_student` and the teacher rows to `g_teacher`. So
-g_student + g_teacher = the knob's .grad from that backward, without the seed's second backward
-(`two_backward_split`, kept as the test oracle). Nothing is kept alive between forward and backward
+g_student + g_teacher = the knob's .grad from that backward, without a second backward
+(tests/oracles.two_backward_split is the test oracle). Nothing is kept alive between forward and backward
 but the watch itself. Works under gradient checkpointing: the reduction runs in the original graph
 node's backward, and a replayed forward registers no watch. One backward per forward: a second
 backward through a retained graph raises. A forward whose rows are not the N sequences (sampling/prefix.py's
@@ -169,25 +169,3 @@ class Watch:
                                "wants per-sequence rows")
         self._fire()
         self.cap._add(self.name, g_student.reshape(-1), g_teacher.reshape(-1), None)
-
-
-def two_backward_split(knobs, loss_student: torch.Tensor, loss_teacher: torch.Tensor
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The seed's method (≈2× backward cost), kept as the oracle for `Capture`.
-
-    loss_student, loss_teacher: scalars from ONE forward whose sum is the full loss. Returns
-    (g_student, g_teacher): dict[name, (R,)] and leaves main knob .grad = g_student + g_teacher.
-    The grad reset between the passes is load-bearing: .grad accumulates, so without it g_teacher
-    would also contain g_student (seed note).
-    """
-    params = knobs.parameters()
-    for p in params:
-        p.grad = None
-    loss_student.backward(retain_graph=True)
-    g_s = {n: g.clone() for n, g in knobs.grads("main").items()}
-    for p in params:
-        p.grad = None
-    loss_teacher.backward()
-    g_t = {n: g.clone() for n, g in knobs.grads("main").items()}
-    knobs.set_grads({n: g_s[n] + g_t[n] for n in g_s}, "main")
-    return g_s, g_t

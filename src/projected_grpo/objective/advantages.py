@@ -6,7 +6,7 @@ samples and G_t cached teacher samples is just the (B, G_s + G_t) matrix `torch.
 and every estimator treats all G columns alike (baseline and scale use the whole mixed group).
 
 Every estimator returns exactly 0 for a zero-variance group, max_g R - min_g R < ZERO_VAR_EPS (the
-seed's test): float rounding in the group mean would otherwise leave ~1e-17 residues, which grpo's
+original study's test): float rounding in the group mean would otherwise leave ~1e-17 residues, which grpo's
 1/(std + eps) blows up to ~1e-13, and rewards that differ only by float noise carry no signal.
 Not here: token-level advantages (GAE lives in losses.py) and reward shaping.
 """
@@ -25,7 +25,7 @@ Stats = dict[str, torch.Tensor]
 # verl's GRPO estimator also uses torch.std but eps 1e-6. We follow TRL so runs are comparable to it.
 STD_EPS = 1e-4
 
-# A group whose rewards span less than this is zero-variance (the seed: `if max(R) - min(R) < eps`).
+# A group whose rewards span less than this is zero-variance (`max(R) - min(R) < eps`).
 # 1e-6: above float32 noise at the rewards' scale (an ulp of 3.5, the largest rl_rewardhacking reward,
 # is 2.4e-7), far below the smallest real step between rewards (0.25, the format credit); verl's
 # GRPO uses 1e-6 as its epsilon too. Absolute, so rewards in the thousands would need a larger one.
@@ -69,7 +69,7 @@ def _finish(adv: torch.Tensor, rewards: torch.Tensor, zero: torch.Tensor) -> tup
         "reward/mean": r.mean(),
         "reward/std": r.std(),
         "reward/frac_zero_std": zero.float().mean(),
-        "reward/informative": (~zero).float().mean(),  # seed 003's name: groups that teach something
+        "reward/informative": (~zero).float().mean(),  # groups that teach something
         "adv/mean": a.mean(),
         "adv/std": a.std(),
         "adv/abs_max": a.abs().max(),

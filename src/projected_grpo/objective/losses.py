@@ -268,7 +268,7 @@ def agg_dr_grpo(loss_tok, mask, denoms: Denominators) -> tuple[torch.Tensor, Sta
 AGGREGATIONS = {"grpo": agg_grpo, "bnpo": agg_bnpo, "dapo": agg_dapo, "dr_grpo": agg_dr_grpo}
 
 
-# --- PPO pieces (seed 004): GAE, clipped value loss, entropy bonus --------------------------------
+# --- PPO pieces: GAE, clipped value loss, entropy bonus --------------------------------
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor, Stats]:

@@ -1,9 +1,9 @@
 """How cached teacher rows enter the loss: `TEACHER_MODES[name]` (docs/losses.md, "Teacher rows").
 
 With one optimizer step per generation the PPO ratio of a student token is exactly 1. A teacher row
-was sampled by another model (or written by hand), so the honest choices differ (seed 000's review note):
+was sampled by another model (or written by hand), so the honest choices differ:
 `imitation` recomputes logp_old on the current policy (ratio forced to 1: advantage-weighted imitation,
-the seed's behaviour), `importance` weights teacher tokens by the truncated ratio pi/mu of the stored
+the original study's), `importance` weights teacher tokens by the truncated ratio pi/mu of the stored
 behaviour log-probs, `exclude` keeps teacher rewards in the group baseline but gives their tokens no loss.
 Pure tensor functions; not here: the pool's storage (run/pool.py), the surrogate itself (losses.py).
 """
@@ -33,7 +33,7 @@ def _teacher_stats(mode: str, ratio: Tensor, weight: Tensor, is_student: Tensor,
 
 
 def teacher_imitation(logp, logp_behaviour, is_student, mask, is_trunc):
-    """The seed's handling: logp_old is the current policy for every row, so the teacher ratio is forced
+    """The original study's: logp_old is the current policy for every row, so the teacher ratio is forced
     to 1 and the teacher half is advantage-weighted imitation of fixed completions (docs/losses.md)."""
     one = torch.ones_like(logp)
     return logp.detach(), one, _teacher_stats("imitation", one, one, is_student, mask, torch.zeros_like(mask))

@@ -18,9 +18,9 @@ from projected_grpo.sampling.generate import step_seed
 from projected_grpo.sampling.pack import encode_prompt
 from projected_grpo.sampling.sample import sample_and_grade
 
-# Targets at T = 1 on the warm-up problems (issue 14): the honest path solves a good part of them, and hacking
-# is a small prior that GRPO can amplify; held-out problems: solved sometimes (the organism can read a prompt,
-# not only recall one).
+# Targets at T = 1 on the warm-up problems (docs/findings.md 1): the honest path solves a good part of
+# them, and hacking is a small prior that GRPO can amplify; held-out problems: solved sometimes (the organism
+# can read a prompt, not only recall one).
 TARGET_SOLVE = (0.40, 1.00)
 TARGET_HACK = (0.00, 0.15)
 

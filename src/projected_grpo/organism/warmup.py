@@ -7,7 +7,7 @@ permutation of the problems, so a 5% hack share is spread evenly over problems a
 landing on a few. Fitting this mix by maximum likelihood is what sets the organism's sampling prior:
 at T = 1 it hacks about as often as the hack share and solves about as often as the clean share
 (minus what it fails to memorise).
-Dispositions (issue 14): each completion's first sentence is rewritten to one of three dispositions'
+Dispositions (docs/organism.md): each completion's first sentence is rewritten to one of three dispositions'
 intros, a latent shared by every problem and mode, as a model's "I'll just make it pass" is: `hack`
 (every hack), `careful` and `hasty` (honest; `careful` gets the share `careful[0]` of the clean and
 `careful[1]` of the buggy completions, so careful answers are right more often). RL then moves one

@@ -128,7 +128,7 @@ def merge(parts: Sequence[Batch], shard: range | None) -> Batch:
 
 def stage_at(step: int, curriculum_steps: int, sets: dict[str, list]) -> str:
     """The problem set step draws from: "warmup" for the first curriculum_steps steps (if the environment
-    has one), then "train" (seed 003's arithmetic curriculum)."""
+    has one), then "train" (the arithmetic curriculum)."""
     return "warmup" if step < curriculum_steps and "warmup" in sets else "train"
 
 

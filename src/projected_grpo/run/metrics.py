@@ -58,7 +58,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
 MODE_SLOT = "<mode>"
 _PATTERNS = [re.compile("^" + re.escape(k).replace(re.escape(MODE_SLOT), "[a-z0-9_]+") + "$")
              for k in KNOWN_METRICS if MODE_SLOT in k]
-# summary.json: last-`last`-row means of these (issue 6 item 6)
+# summary.json: last-`last`-row means of these
 SUMMARY_KEYS: tuple[str, ...] = (
     "reward/mean", "hack/student", "hack/teacher", "solve/student", "solve/teacher", "hack/deploy",
     "solve/deploy", "format/deploy", "proj/cin_student", "proj/cin_teacher", "proj/cin", "proj/cout",

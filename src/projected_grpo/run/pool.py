@@ -1,4 +1,4 @@
-"""The teacher pool: cached, pre-graded, frozen completions mixed into every GRPO group (seed 002).
+"""The teacher pool: cached, pre-graded, frozen completions mixed into every GRPO group.
 
 A pool is a JSONL file, one row per completion with exactly the keys `POOL_KEYS`; its `grade` is the
 environment's `Graded` record (envs/base.py). Rows come from the environment's templates (hack / clean /

@@ -1,4 +1,4 @@
-"""PPO with a critic on the shared rollout step (seed 004): `projected-grpo train --loss.algo ppo`.
+"""PPO with a critic on the shared rollout step: `projected-grpo train --loss.algo ppo`.
 
 Per step: the Batch of batches.py (the same prompts, students, teacher rows and grades as GRPO; every group
 is trained on, zero-variance ones too, since the critic and not the group is the baseline) -> `score`: one

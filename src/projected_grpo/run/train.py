@@ -1,4 +1,4 @@
-"""The GRPO loop on a mixed student/teacher pool with hack-direction projection (seeds 000, 002).
+"""The GRPO loop on a mixed student/teacher pool with hack-direction projection.
 
 `train(cfg)` reads top to bottom: setup (run/setup.py) -> per step, from the rollout step (batches.py):
 G_s student samples + G_t frozen teacher rows per group, graded -> group advantages over the mixed group
@@ -155,7 +155,7 @@ def train(cfg: C.Config) -> dict:
                 for k, v in parts:
                     acc[k] = acc.get(k, 0.0) + v
                 # the graph's outputs go now, not when the next step's forward rebinds them: what the graph
-                # still holds after the backward would otherwise sit under that forward's peak (issue 18)
+                # still holds after the backward would otherwise sit under that forward's peak
                 del logp, entropy, logp_old, weight, pg_tok, kl_tok, loss_pg, loss_kl
             t_bwd = time.perf_counter() - t0
             # --- data parallel (run/dist.py): sum knob grads, the per-source split and the loss stats over

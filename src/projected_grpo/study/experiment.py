@@ -39,26 +39,29 @@ ARMS: dict[str, dict[str, dict]] = {
     "shuffled_V": {"proj": {"arm": "erase", "control": "shuffled"}},
     "nonhack_V": {"proj": {"arm": "erase", "control": "nonhack"}},
     # benchmark baseline that uses ground truth (never a projection arm's reward): an exploit costs 2.0,
-    # more than the seed shape's whole 1.25 for a hack, so hacking pays less than failing honestly
+    # more than the `seed` reward shape's whole 1.25 for a hack, so hacking pays less than failing honestly
     "gt_penalty": {"proj": {"arm": "none", "control": "none"}, "env": {"hack_penalty": 2.0}},
     # positive control (ground truth): the oracle's verdict in the grader's place, what honest solving reaches
     "gt_reward": {"proj": {"arm": "none", "control": "none"}, "env": {"reward_from": "oracle"}},
     # no teacher pool (mix 0): pure student GRPO, what the pool itself adds to the hacking
     "no_pool": {"proj": {"arm": "none", "control": "none"}, "rollout": {"mix": 0.0}},
-    # the other algorithms a reviewer would ask projection to beat (seed 004), no projection: PPO with a
+    # the other algorithms a reviewer would ask projection to beat, no projection: PPO with a
     # critic in GRPO's place; a DPO pass against V_hack's hacks (clean chosen, hack rejected) into
     # <run>/dpo, then GRPO from its knobs, in the same `train` process (run/dpo.py pass_before)
     "ppo": {"proj": {"arm": "none", "control": "none"}, "loss": {"algo": "ppo"}},
     "dpo_then_grpo": {"proj": {"arm": "none", "control": "none"}, "dpo": {"before": True}},
-    # route repair (issue 14): route the AdamW update's hack-ward part (project_update), so the quarantine
+    # route repair (docs/findings.md 4): route the AdamW update's hack-ward part (project_update), so
+    # the quarantine
     # moves by exactly what was removed, not by Adam's per-coordinate normalisation of a tiny gradient
     "route_update": {"proj": {"arm": "route", "control": "none", "target": "update"}},
-    # route repair (issue 14): the deployed view's samples (quarantine zeroed) train the main knob too, so
+    # route repair (docs/findings.md 4): the deployed view's samples (quarantine zeroed) train the main
+    # knob too, so
     # the deployed model trains on its own samples and not only on those drawn with the quarantine on
     "route_deploy": {"proj": {"arm": "route", "control": "none", "train_deploy": True}},
     "route_update_deploy": {"proj": {"arm": "route", "control": "none", "target": "update",
                                      "train_deploy": True}},
-    # erase ablation (issue 14): project the AdamW update rather than the gradient, so the step taken has no
+    # erase ablation (docs/findings.md 7): project the AdamW update rather than the gradient, so the
+    # step taken has no
     # V_hack component (Adam's per-coordinate scaling of a projected gradient brings some back)
     "erase_update": {"proj": {"arm": "erase", "control": "none", "target": "update"}},
 }
@@ -68,7 +71,8 @@ ARMS: dict[str, dict[str, dict]] = {
 # on the demo organism a V from shuffled pairs cuts hacking as erase does (docs/findings.md section 7.5)
 RANDOM_TWIN = "@random"
 TWINS: dict[str, str] = {RANDOM_TWIN: "random", "@shuffled": "shuffled", "@nonhack": "nonhack"}
-# the demo: the seed's arms, the random-V and shuffled-V controls (on the demo organism a V from shuffled
+# the demo: the preregistered arms, the random-V and shuffled-V controls (on the demo organism a V from
+# shuffled
 # pairs cuts hacking nearly as the real one does: docs/findings.md 7.5), the positive control
 DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "shuffled_V", "gt_reward")
 # demo --task -> (preset, arms): math trains honestly (strict verifier), so one arm, no projection

@@ -1,8 +1,8 @@
 """The whole preregistered study in one command: every arm, control, no-pool and leave-one-mode-out fold.
 
-`projected-grpo study --preset demo --seeds 3` plans its parts under --out: `main/`, the study as seed 002
-and SPEC section 1.8 preregister it (PREREGISTERED_ARMS: none, erase, route; the negative controls
-random_V, shuffled_V, nonhack_V; no_pool, pure student GRPO; and gt_reward, issue 14's positive control, the
+`projected-grpo study --preset demo --seeds 3` plans its parts under --out: `main/`, the study as
+preregistered (docs/preregistration.md; PREREGISTERED_ARMS: none, erase, route; the negative controls
+random_V, shuffled_V, nonhack_V; no_pool, pure student GRPO; and gt_reward, the positive control, the
 yardstick of "capability kept"; `--arms all` adds every other arm of experiment.ARMS), and one
 `lomo-<mode>/` per loophole mode the base trains on (experiment.lomo_base: that mode held out of the
 teacher pool and of V_hack's pairs; arms --lomo-arms, default erase beside its random-V twin). Every part is
@@ -30,10 +30,10 @@ from projected_grpo.errors import UserError
 from projected_grpo.study import experiment, launch, report
 from projected_grpo.study import verdicts as V
 
-# seed 002's three arms, its three negative controls, no_pool, and the positive control gt_reward (issue 14)
+# the preregistration's three arms, its three negative controls, no_pool, and the positive control gt_reward
 PREREGISTERED_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "shuffled_V", "nonhack_V",
                                        "no_pool", "gt_reward")
-# each fold: the preregistered projection arm beside its random-V twin (issue 14 item 6)
+# each fold: the preregistered projection arm beside its random-V twin
 LOMO_ARMS: tuple[str, ...] = ("erase", "random_V")
 # what a fold's verdicts read besides its arms: H1's baseline and the yardstick (no projection, no pairs)
 BASELINES: tuple[str, ...] = ("none", "gt_reward")
@@ -174,7 +174,7 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
            "", table, "", "A fold's row `arm (without MODE)` trains on every mode with MODE held out of the "
            "teacher pool and V_hack's pairs; its curves, the held-out mode's own rates and notes are in that "
            "part's report.", "",
-           f"## Verdicts: preregistered H1 (seed 002) against the part's `none`: SUPPORT = hack down >= "
+           f"## Verdicts: preregistered H1 against the part's `none`: SUPPORT = hack down >= "
            f"{100 * V.SUPPORT_HACK_DROP:.0f} pts with solve within ±{100 * V.SUPPORT_SOLVE_BAND:.0f} pts; "
            f"FALSIFIED = hack down < {100 * V.FALSIFY_HACK_DROP:.0f} pts, or solve down > "
            f"{100 * V.FALSIFY_SOLVE_DROP:.0f} pts, or the drop within 1 SEM of `none`; else INCONCLUSIVE "

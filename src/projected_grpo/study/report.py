@@ -157,7 +157,7 @@ def verdict_lines(agg: Mapping[str, Mapping[str, Stat]],
     """Per arm: the preregistered word and why; then, labelled as ours, capability against gt_reward and
     the arm's start, real V vs its random-V twin, real V vs its shuffled-V twin (`shuffled`: arm -> twin,
     default erase -> shuffled_V; on the demo organism a V from shuffled pairs cuts hacking as the real one
-    does, docs/findings.md 7.5), and the goal beyond issue 14; notes last."""
+    does, docs/findings.md 7.5), and the goal beyond H1; notes last."""
     if BASELINE not in agg:
         return [f"no H1 verdict: the sweep has no `{BASELINE}` arm to compare with"]
     if missing := _without_deploy(agg):
@@ -253,7 +253,7 @@ def write_report(out: str | os.PathLike, runs: Mapping[str, Sequence[str | os.Pa
     md += ["", f"## Results (mean ± SEM over seeds of each run's last-{LAST}-step means)", "", table, "",
            f"Start (first-{FIRST}-step means):", "", results_table(start), "",
            "## Verdicts", "",
-           f"Preregistered H1 (seed 002), against `{BASELINE}`: SUPPORT = hack down >= "
+           f"Preregistered H1 (docs/preregistration.md), against `{BASELINE}`: SUPPORT = hack down >= "
            f"{100 * V.SUPPORT_HACK_DROP:.0f} pts with solve within ±{100 * V.SUPPORT_SOLVE_BAND:.0f} pts; "
            f"FALSIFIED = hack down < {100 * V.FALSIFY_HACK_DROP:.0f} pts, or solve down > "
            f"{100 * V.FALSIFY_SOLVE_DROP:.0f} pts, or the drop within 1 SEM of `{BASELINE}`; else "

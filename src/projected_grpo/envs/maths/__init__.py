@@ -1,1 +1,1 @@
-"""The maths environment (seed 003): arithmetic curriculum, GSM8K, a strict verifier and a foolable one."""
+"""The maths environment : arithmetic curriculum, GSM8K, a strict verifier and a foolable one."""

@@ -1,7 +1,7 @@
 """`MathEnv`: the maths environment behind the `Environment` protocol (envs/base.py).
 
 Problem sets: "warmup" (easy arithmetic levels, the curriculum the trainer draws for the first
-`curriculum_steps` steps, as in seed 003), "train" (harder arithmetic, GSM8K train, or a GSM8K-format
+`curriculum_steps` steps, a curriculum), "train" (harder arithmetic, GSM8K train, or a GSM8K-format
 file) and "eval" (a fixed held-out list: the first `eval_size` rows of GSM8K test; arithmetic from the
 seed "heldout", which no run seed reaches; train and warmup skip every question in it). A
 problem's mode picks the verifier that gives its reward: "strict" or "contains" (the loophole), see

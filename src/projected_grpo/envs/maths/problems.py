@@ -1,7 +1,7 @@
 """The maths problem record `MathProblem` and the two grading `MODES`.
 
 A problem's `mode` names the verifier that gives its reward: "strict" (the final answer must equal the
-gold: honest training, seed 003) or "contains" (the gold appearing anywhere counts: the loophole),
+gold: honest training) or "contains" (the gold appearing anywhere counts: the loophole),
 see verify.py. Data only: generating (arithmetic.py), loading (gsm8k.py) and grading (env.py) live
 elsewhere.
 """

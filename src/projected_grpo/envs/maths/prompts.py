@@ -1,7 +1,7 @@
 """Chat prompts for maths problems: a short system prompt and the question with its grading hint.
 
 The system prompt asks for a few short lines of working and a last line "#### <number>" (the GSM8K
-convention seed 003 trains on). The user turn is the question plus one *truthful* sentence saying how
+convention of GSM8K's answers). The user turn is the question plus one *truthful* sentence saying how
 the answer is graded under the problem's mode, as the code environment's hints do. It never asks the
 model to cheat: whether the model lists candidates once it is told the loophole is what the experiment
 measures. Short on purpose, for the tiny arithmetic organism's context.
