@@ -13,7 +13,7 @@ from projected_grpo import presets, store
 from projected_grpo.cli import main
 from projected_grpo.errors import UserError
 from projected_grpo.run import metrics
-from projected_grpo.study import experiment, launch, report
+from projected_grpo.study import arms, experiment, launch, report
 
 
 def write_run(d: pathlib.Path, hack: list[float], solve: list[float], cin_t: float = 0.5,
@@ -150,19 +150,19 @@ def test_random_twin_arms_share_every_setting_but_the_direction(tmp_path):
     real, twin = runs[0].cfg, runs[1].cfg
     assert (real.proj.arm, real.proj.target, real.proj.control) == ("route", "update", "none")
     assert C.diff(real, twin, ignore=("run.dir",)) == ["proj.control: 'none' -> 'random'"]
-    assert experiment.arm_sections("random_V") == experiment.arm_sections("erase@random")
-    assert experiment.arm_sections("shuffled_V") == experiment.arm_sections("erase@shuffled")
-    assert experiment.arm_sections("nonhack_V") == experiment.arm_sections("erase@nonhack")
-    assert experiment.arm_sections("route_update@shuffled")["proj"] == {"arm": "route", "control": "shuffled",
+    assert arms.arm_sections("random_V") == arms.arm_sections("erase@random")
+    assert arms.arm_sections("shuffled_V") == arms.arm_sections("erase@shuffled")
+    assert arms.arm_sections("nonhack_V") == arms.arm_sections("erase@nonhack")
+    assert arms.arm_sections("route_update@shuffled")["proj"] == {"arm": "route", "control": "shuffled",
                                                                       "target": "update"}
     for bad in ("none@random", "random_V@random", "gt_reward@random", "nope@random", "erase@randomx",
                 "erase@", "shuffled_V@random", "route@shuffled@random"):
-        assert experiment.arm_sections(bad) is None, bad
+        assert arms.arm_sections(bad) is None, bad
     with pytest.raises(UserError, match="unknown \\['none@random'\\]"):
         experiment.plan(presets.PRESETS["smoke"], ["none@random"], [0], tmp_path)
-    assert experiment.control_twins(["none", "erase", "random_V", "route", "route@random"]) == {
+    assert arms.control_twins(["none", "erase", "random_V", "route", "route@random"]) == {
         "route": "route@random", "erase": "random_V"}
-    assert experiment.control_twins(["erase", "erase@random", "random_V"]) == {"erase": "erase@random"}
+    assert arms.control_twins(["erase", "erase@random", "random_V"]) == {"erase": "erase@random"}
 
 
 def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from test_experiment import write_run  # a hand-made run directory
 
-from projected_grpo.study import report
+from projected_grpo.study import arms, report
 from projected_grpo.study.report import Stat
 
 # --- verdict lines (rules: tests/test_verdicts.py) -------------------------------------------------
@@ -60,10 +60,9 @@ def test_verdict_lines_say_whether_the_real_v_beats_the_shuffled_v(tmp_path):
     text = "\n".join(report.verdict_lines(agg, start))
     assert "ours: real V beats random V: hack -30.0 pts vs random_V (combined SEM 5.0 pts)" in text
     assert "ours: real V does NOT beat shuffled V: hack -5.0 pts vs shuffled_V (combined SEM 7.1 pts)" in text
-    # a named twin: route_update against route_update@shuffled, passed as experiment.control_twins gives it
-    from projected_grpo.study import experiment
+    # a named twin: route_update against route_update@shuffled, passed as arms.control_twins gives it
 
-    assert experiment.control_twins(["erase", "shuffled_V", "route", "route@shuffled"], "@shuffled") == {
+    assert arms.control_twins(["erase", "shuffled_V", "route", "route@shuffled"], "@shuffled") == {
         "erase": "shuffled_V", "route": "route@shuffled"}
     agg2 = {"none": agg["none"], "route": agg["erase"], "route@shuffled": agg["shuffled_V"]}
     start2 = {"none": start["none"], "route": start["erase"], "route@shuffled": start["shuffled_V"]}

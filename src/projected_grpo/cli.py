@@ -22,6 +22,8 @@ COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
                    "projected_grpo.study.experiment:main"),
     "study": ("the whole study: every arm, control, LOMO fold; report",
               "projected_grpo.study.preregistered:main"),
+    "arms": ("the arms table: role, labels needed at train time, what each changes, findings",
+             "projected_grpo.study.arms:main"),
     "train": ("GRPO training run: --preset P --arm none|erase|route (--loss.algo ppo: PPO)",
               "projected_grpo.run.train:main"),
     "get-model": ("install + convert a named model once (smollm2), print its dir",

@@ -232,10 +232,6 @@ class ProjCfg:
     """`none` measure only, `erase` remove the hack-ward part, `route` erase and move it to the quarantine"""
     gate: Literal["one_sided", "no_gate", "reverse"] = "one_sided"
     """coefficient on V: relu(c) (one_sided), c (no_gate), 2c (reverse)"""
-    overshoot: float = 0.0
-    """extra fraction of the removed part taken off (0 = exact projection)"""
-    preserve_magnitude: bool = False
-    """rescale the projected gradient to the original norm"""
     target: Literal["grad", "update", "both"] = "grad"
     """project the gradient, the AdamW update, or both (the Adam bypass, docs/architecture.md)"""
     purge_moments: bool = False
@@ -273,7 +269,7 @@ class ProjCfg:
     def __post_init__(self) -> None:
         _check(self)
         _positive(self, "k", "k_use", "pairs_per_problem")
-        _positive(self, "overshoot", "tau_axis", "n_heldout", "refresh_every", allow_zero=True)
+        _positive(self, "tau_axis", "n_heldout", "refresh_every", allow_zero=True)
         if self.purge_moments and self.gate == "reverse":
             raise UserError("config: ProjCfg.purge_moments needs gate in ['one_sided', 'no_gate'], "
                              "got 'reverse'")

@@ -1,8 +1,7 @@
 """Gradient (and optimizer-update) projection away from the hack directions V_hack.
 
 `project` is the pure math on one module's knob vector: c = V·g; a gate picks how much of each
-direction to remove (one_sided relu(c), no_gate c, reverse 2c), `overshoot` scales the removal,
-`preserve_magnitude` rescales the result to ‖g‖. The formulas assume V's rows are orthonormal
+direction to remove (one_sided relu(c), no_gate c, reverse 2c). The formulas assume V's rows are orthonormal
 (extraction gives right singular vectors; rows zeroed by τ_axis simply remove nothing).
 `apply_arm` applies it to every wrapped module's gradient for the arms none / erase / route;
 `project_update` and `purge_moments` are the AdamW bypass fix (docs/architecture.md): projecting the gradient
@@ -33,19 +32,18 @@ def hackward_sq(g: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
     return torch.relu(V @ g).square().sum()
 
 
-def project(g: torch.Tensor, V: torch.Tensor, gate: str = "one_sided", overshoot: float = 0.0,
-            preserve_magnitude: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def project(g: torch.Tensor, V: torch.Tensor, gate: str = "one_sided"
+            ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """Remove the gated span(V) component of g.
 
     g (R,), V (K,R) with orthonormal (or zero) rows, K may be 0; V is cast to g's device/dtype (move
     V_hack to the device once, up front, to avoid a copy per call). Returns g_proj (R,), removed (R,)
-    = (1+overshoot)·gate(V·g)·V ∈ span(V), and detached stats: cin = ‖relu(V·g)‖/‖g‖, cout likewise
-    for g_proj (0 for a zero vector), fired (1. if anything was removed), plus the squared sums
+    = gate(V·g)·V ∈ span(V), g_proj = g - removed, and detached stats: cin = ‖relu(V·g)‖/‖g‖, cout
+    likewise for g_proj (0 for a zero vector), fired (1. if anything was removed), plus the squared sums
     (in_sq, g_sq, out_sq, gp_sq) that `apply_arm` aggregates over modules.
-    g_proj = g - removed, unless preserve_magnitude, which rescales it to ‖g‖ (then g_proj + removed ≠ g).
     A g_proj of norm ≤ 64·eps·‖g‖ (7.6e-6 relative in fp32) is taken for the rounding noise of a g inside
-    span(V) and set to 0: the rescale would otherwise blow noise up to ‖g‖. A real component that small
-    is lost with it (project in float64 to keep it).
+    span(V) and set to 0, so that cout is not computed on noise. A real component that small is lost with
+    it (project in float64 to keep it).
     """
     if V.dim() != 2 or g.dim() != 1 or V.shape[1] != g.shape[0]:
         raise ValueError(f"project: need g (R,) and V (K,R); got g {tuple(g.shape)}, V {tuple(V.shape)}")
@@ -53,14 +51,10 @@ def project(g: torch.Tensor, V: torch.Tensor, gate: str = "one_sided", overshoot
         raise ValueError(f"unknown gate {gate!r}; choose one of {sorted(GATES)}")
     V = V.to(g)
     c = V @ g  # (K,)
-    removed = ((1.0 + overshoot) * GATES[gate](c)) @ V  # (R,)
+    removed = GATES[gate](c) @ V  # (R,)
     g_proj = g - removed
-    # g entirely inside span(V): what is left is rounding noise; call it 0 so that cout and the
-    # magnitude rescale are not computed on noise
+    # g entirely inside span(V): what is left is rounding noise; call it 0 so that cout is not noise's
     g_proj = torch.where(g_proj.norm() <= 64 * torch.finfo(g.dtype).eps * g.norm(), 0.0, g_proj)
-    if preserve_magnitude:
-        n_proj = g_proj.norm()
-        g_proj = torch.where(n_proj > 0, g_proj * (g.norm() / n_proj.clamp_min(1e-38)), g_proj)
     in_sq, g_sq = hackward_sq(g, V), g.square().sum()
     out_sq, gp_sq = hackward_sq(g_proj, V), g_proj.square().sum()
     stats = {"cin": _fraction(in_sq, g_sq), "cout": _fraction(out_sq, gp_sq),
@@ -112,7 +106,6 @@ def module_means(per_module: list[dict[str, torch.Tensor]]) -> dict[str, torch.T
 
 
 def apply_arm(knobs, V_hack: dict[str, torch.Tensor], arm: str = "erase", gate: str = "one_sided",
-              overshoot: float = 0.0, preserve_magnitude: bool = False,
               split=None) -> dict[str, torch.Tensor]:
     """Project every wrapped module's main-knob .grad with its V_hack[name] (K,R) and write per `arm`.
 
@@ -132,7 +125,7 @@ def apply_arm(knobs, V_hack: dict[str, torch.Tensor], arm: str = "erase", gate: 
             skipped += 1
             continue
         g = grads[name].float()
-        g_proj, removed, st = project(g, V_hack[name], gate, overshoot, preserve_magnitude)
+        g_proj, removed, st = project(g, V_hack[name], gate)
         ARMS[arm](m.delta, m.delta_hack, g_proj, removed)
         if arm == "none":  # the gradient is unchanged, so the "after" numbers equal the "before" ones
             st = {**st, "out_sq": st["in_sq"], "gp_sq": st["g_sq"], "cout": st["cin"]}
@@ -174,14 +167,13 @@ def step_norms(knobs, before: dict[str, torch.Tensor], before_hack: dict[str, to
 
 
 def project_update(knobs, before: dict[str, torch.Tensor], V_hack: dict[str, torch.Tensor],
-                   arm: str = "none", gate: str = "one_sided", overshoot: float = 0.0,
-                   preserve_magnitude: bool = False) -> dict[str, torch.Tensor]:
+                   arm: str = "none", gate: str = "one_sided") -> dict[str, torch.Tensor]:
     """Project the optimizer's actual update Δ = after − before of each main knob (after step()).
 
     Sign: V points hack-ward in *gradient* space and the optimizer descends, so the hack-ward part of
     an update Δ is the V-component of −Δ; we project u = −Δ with `project` and write Δ' = −u_proj.
     arm none: measure only; erase: knob = before + Δ'; route: also quarantine knob += −removed (the
-    removed, hack-ward motion, in span(V); = Δ − Δ' unless preserve_magnitude rescales Δ').
+    removed, hack-ward motion, in span(V); = Δ − Δ').
     Returns proj/cin_update, proj/cout_update (hack-ward fraction ‖relu(V·(−Δ'))‖/‖Δ'‖ of the update
     that stays, = cin_update under none), proj/fired_frac_update.
     Call with arm="none" when only gradient projection is on, so cout_update is logged in every mode.
@@ -194,12 +186,12 @@ def project_update(knobs, before: dict[str, torch.Tensor], V_hack: dict[str, tor
         if name not in V_hack:
             continue
         delta = after[name].float() - before[name].float()
-        u_proj, removed_u, st = project(-delta, V_hack[name], gate, overshoot, preserve_magnitude)
+        u_proj, removed_u, st = project(-delta, V_hack[name], gate)
         if arm == "none":
             st = {**st, "out_sq": st["in_sq"], "gp_sq": st["g_sq"]}
         else:
             new = before[name].float() - u_proj
-            if arm == "route":  # the removed motion itself (= Δ − Δ' unless preserve_magnitude rescaled Δ')
+            if arm == "route":  # the removed motion itself (= Δ − Δ')
                 hack[name].add_((-removed_u).to(hack[name]))
             after[name].copy_(new.to(after[name]))
         per_module.append(st)

@@ -183,8 +183,7 @@ def train_dpo(cfg: C.Config) -> dict:
                 raise FloatingPointError(f"step {step}: non-finite DPO loss")
             loss.backward()
             session.check_finite(step, "gradient", {"knobs": knobs.grads("main")})
-            proj = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate, cfg.proj.overshoot,
-                                        cfg.proj.preserve_magnitude)
+            proj = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate)
             stats |= {k: float(v) for k, v in proj.items()}
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_norm or math.inf))
             if cfg.proj.purge_moments and cfg.proj.arm != "none":  # the Adam bypass, as train.py closes it
@@ -197,8 +196,7 @@ def train_dpo(cfg: C.Config) -> dict:
             before = projection.snapshot(knobs)
             opt.step()
             stats |= {k: float(v) for k, v in projection.project_update(
-                knobs, before, V_hack, update_arm, cfg.proj.gate, cfg.proj.overshoot,
-                cfg.proj.preserve_magnitude).items()}
+                knobs, before, V_hack, update_arm, cfg.proj.gate).items()}
             if held:
                 with torch.no_grad():
                     h_loss, h_stats = _loss(cfg, seq_logps(model, tok, [items[i] for i in held], dev, chunk),

@@ -217,8 +217,7 @@ def optimize(cfg: C.Config, model, knobs, head: ValueHead, opt, tok, samples, re
             opt.zero_grad(set_to_none=True)
             stats, split = update(cfg, model, knobs, head, tok, samples, idx, old, adv, returns, step)
             session.check_finite(step, "gradient", {"student": split.g_student, "teacher": split.g_teacher})
-            st = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate, cfg.proj.overshoot,
-                                      cfg.proj.preserve_magnitude, split=split)
+            st = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate, split=split)
             st["grad/norm"] = torch.nn.utils.clip_grad_norm_(params, clip)
             # the head's gradient is the value loss's alone: clipped on its own scale
             st["value/grad_norm"] = torch.nn.utils.clip_grad_norm_(head.parameters(), clip)
@@ -230,8 +229,7 @@ def optimize(cfg: C.Config, model, knobs, head: ValueHead, opt, tok, samples, re
                 group["lr"] = lr_at(step, peak=group["peak"], total=cfg.run.steps,
                                     warmup=cfg.optim.warmup_steps, floor_frac=cfg.optim.min_lr_frac)
             opt.step()
-            st |= projection.project_update(knobs, before, V_hack, update_arm, cfg.proj.gate,
-                                            cfg.proj.overshoot, cfg.proj.preserve_magnitude)
+            st |= projection.project_update(knobs, before, V_hack, update_arm, cfg.proj.gate)
             updates.append(stats | {k: float(v) for k, v in st.items()})
     return updates, old, adv, gae_stats
 

@@ -167,8 +167,7 @@ def train(cfg: C.Config) -> dict:
                                                         "teacher": split.g_teacher})
 
             # --- projection by arm on the gradient and/or update; clip; AdamW step (docs/architecture.md) ---
-            stats = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate,
-                                         cfg.proj.overshoot, cfg.proj.preserve_magnitude, split=split)
+            stats = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate, split=split)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_norm or math.inf)
             if cfg.proj.purge_moments and cfg.proj.arm != "none":  # Adam bypass: drop hack-ward momentum
                 stats |= projection.purge_moments(opt, knobs, V_hack, "no_gate" if cfg.proj.gate == "no_gate"
@@ -179,7 +178,7 @@ def train(cfg: C.Config) -> dict:
             if keep:  # every group zero-variance: no signal, no step (Adam's momentum alone would still move)
                 opt.step()
             stats |= projection.project_update(knobs, before, V_hack, update_arm,
-                                               cfg.proj.gate, cfg.proj.overshoot, cfg.proj.preserve_magnitude)
+                                               cfg.proj.gate)
             stats |= projection.step_norms(knobs, before, before_hack)
 
             # --- optional: online V refresh and a greedy eval of the deployed model (quarantine zeroed) ---

@@ -28,49 +28,8 @@ from projected_grpo.errors import UserError
 from projected_grpo.run import metrics, setup
 from projected_grpo.run import pool as P
 from projected_grpo.study import launch, report, start_eval
+from projected_grpo.study.arms import ARMS, RANDOM_TWIN, arm_sections, control_twins, describe_arm
 
-# arm -> config changes (sections of config.replace). The negative controls erase with a control V
-# (direction.CONTROLS) so any effect they have is the projection's, not the direction's.
-ARMS: dict[str, dict[str, dict]] = {
-    "none": {"proj": {"arm": "none", "control": "none"}},
-    "erase": {"proj": {"arm": "erase", "control": "none"}},
-    "route": {"proj": {"arm": "route", "control": "none"}},
-    "random_V": {"proj": {"arm": "erase", "control": "random"}},
-    "shuffled_V": {"proj": {"arm": "erase", "control": "shuffled"}},
-    "nonhack_V": {"proj": {"arm": "erase", "control": "nonhack"}},
-    # benchmark baseline that uses ground truth (never a projection arm's reward): an exploit costs 2.0,
-    # more than the `seed` reward shape's whole 1.25 for a hack, so hacking pays less than failing honestly
-    "gt_penalty": {"proj": {"arm": "none", "control": "none"}, "env": {"hack_penalty": 2.0}},
-    # positive control (ground truth): the oracle's verdict in the grader's place, what honest solving reaches
-    "gt_reward": {"proj": {"arm": "none", "control": "none"}, "env": {"reward_from": "oracle"}},
-    # no teacher pool (mix 0): pure student GRPO, what the pool itself adds to the hacking
-    "no_pool": {"proj": {"arm": "none", "control": "none"}, "rollout": {"mix": 0.0}},
-    # the other algorithms a reviewer would ask projection to beat, no projection: PPO with a
-    # critic in GRPO's place; a DPO pass against V_hack's hacks (clean chosen, hack rejected) into
-    # <run>/dpo, then GRPO from its knobs, in the same `train` process (run/dpo.py pass_before)
-    "ppo": {"proj": {"arm": "none", "control": "none"}, "loss": {"algo": "ppo"}},
-    "dpo_then_grpo": {"proj": {"arm": "none", "control": "none"}, "dpo": {"before": True}},
-    # route repair (docs/findings.md 4): route the AdamW update's hack-ward part (project_update), so
-    # the quarantine
-    # moves by exactly what was removed, not by Adam's per-coordinate normalisation of a tiny gradient
-    "route_update": {"proj": {"arm": "route", "control": "none", "target": "update"}},
-    # route repair (docs/findings.md 4): the deployed view's samples (quarantine zeroed) train the main
-    # knob too, so
-    # the deployed model trains on its own samples and not only on those drawn with the quarantine on
-    "route_deploy": {"proj": {"arm": "route", "control": "none", "train_deploy": True}},
-    "route_update_deploy": {"proj": {"arm": "route", "control": "none", "target": "update",
-                                     "train_deploy": True}},
-    # erase ablation (docs/findings.md 7): project the AdamW update rather than the gradient, so the
-    # step taken has no
-    # V_hack component (Adam's per-coordinate scaling of a projected gradient brings some back)
-    "erase_update": {"proj": {"arm": "erase", "control": "none", "target": "update"}},
-}
-# `<arm>@random`: projection arm `<arm>` with a random V (direction.CONTROLS), every other setting the same:
-# the negative control the report compares the real V with ("real V vs random V"); random_V = erase@random.
-# `<arm>@shuffled`, `<arm>@nonhack`: the same with the other V controls (shuffled_V = erase@shuffled), since
-# on the demo organism a V from shuffled pairs cuts hacking as erase does (docs/findings.md section 7.5)
-RANDOM_TWIN = "@random"
-TWINS: dict[str, str] = {RANDOM_TWIN: "random", "@shuffled": "shuffled", "@nonhack": "nonhack"}
 # the demo: the preregistered arms, the random-V and shuffled-V controls (on the demo organism a V from
 # shuffled
 # pairs cuts hacking nearly as the real one does: docs/findings.md 7.5), the positive control
@@ -97,35 +56,6 @@ class Run:
     @property
     def dir(self) -> pathlib.Path:
         return pathlib.Path(self.cfg.run.dir)
-
-
-def arm_sections(arm: str) -> dict[str, dict] | None:
-    """The config changes of `arm`: ARMS[arm], or for `<a>@random` (any suffix of TWINS) those of projection
-    arm `<a>` with proj.control = random (shuffled, nonhack); None for an unknown arm."""
-    if arm in ARMS:
-        return {s: dict(kw) for s, kw in ARMS[arm].items()}
-    name, _, suffix = arm.rpartition("@")
-    if f"@{suffix}" not in TWINS or name not in ARMS or ARMS[name]["proj"]["arm"] == "none" \
-            or ARMS[name]["proj"]["control"] != "none":
-        return None
-    sections = {s: dict(kw) for s, kw in ARMS[name].items()}
-    sections["proj"]["control"] = TWINS[f"@{suffix}"]
-    return sections
-
-
-def control_twins(arms: Sequence[str], suffix: str = RANDOM_TWIN) -> dict[str, str]:
-    """arm -> its twin among `arms` with the control of `suffix` (a key of TWINS): `<arm>@random`, and for
-    erase also random_V by default; `@shuffled`: `<arm>@shuffled`, for erase also shuffled_V."""
-    out = {a: a + suffix for a in arms if a + suffix in arms}
-    named = f"{TWINS[suffix]}_V"  # erase's twin by its control's arm name: random_V, shuffled_V, nonhack_V
-    if "erase" in arms and "erase" not in out and named in arms:
-        out["erase"] = named
-    return out
-
-
-def describe_arm(arm: str) -> str:
-    """'proj.arm=erase, proj.control=random' for report.md."""
-    return ", ".join(f"{s}.{k}={v}" for s, kw in (arm_sections(arm) or {}).items() for k, v in kw.items())
 
 
 def plan(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: pathlib.Path) -> list[Run]:
@@ -310,9 +240,8 @@ class ExperimentOpts(presets.Base):
     (as for `projected-grpo train`). Rerun the printed command to continue an interrupted sweep."""
 
     arms: str = "none,erase,route"
-    """comma-separated arms (experiment.ARMS): none, erase, route, random_V, shuffled_V, nonhack_V,
-    gt_penalty, gt_reward, no_pool, ppo, dpo_then_grpo, route_update, ...; `<arm>@random` is a projection
-    arm with a random V (`@shuffled`, `@nonhack`: with those controls' V)"""
+    """comma-separated arms (`projected-grpo arms` prints the table); `<arm>@random` is a projection arm with
+    a random V (`@shuffled`, `@nonhack`: with those controls' V)"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
     out: str = ""

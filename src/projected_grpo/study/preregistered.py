@@ -3,7 +3,7 @@
 `projected-grpo study --preset demo --seeds 3` plans its parts under --out: `main/`, the study as
 preregistered (docs/preregistration.md; PREREGISTERED_ARMS: none, erase, route; the negative controls
 random_V, shuffled_V, nonhack_V; no_pool, pure student GRPO; and gt_reward, the positive control, the
-yardstick of "capability kept"; `--arms all` adds every other arm of experiment.ARMS), and one
+yardstick of "capability kept"; `--arms all` adds every other arm of arms.ARMS), and one
 `lomo-<mode>/` per loophole mode the base trains on (experiment.lomo_base: that mode held out of the
 teacher pool and of V_hack's pairs; arms --lomo-arms, default erase beside its random-V twin). Every part is
 planned as `experiment` plans a sweep (experiment.plan_sweep), then ALL runs go to one launch.run_all, so
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from projected_grpo import config as C
 from projected_grpo import presets, store
 from projected_grpo.errors import UserError
+from projected_grpo.study import arms as arms_table
 from projected_grpo.study import experiment, launch, report
 from projected_grpo.study import verdicts as V
 
@@ -145,8 +146,8 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
     rows: dict[str, list] = {}
     verdicts = []
     for part, _, by_arm, notes in planned:
-        twins = experiment.control_twins(part.arms)
-        shuffled = experiment.control_twins(part.arms, "@shuffled")
+        twins = arms_table.control_twins(part.arms)
+        shuffled = arms_table.control_twins(part.arms, "@shuffled")
         n_seeds = len(next(iter(by_arm.values())))
         title = f"{preset} study, part {part.name}: {', '.join(part.arms)} x {n_seeds} seed(s)"
         report.write_report(out / part.name, by_arm, title=title, config_diff=diff,
@@ -216,7 +217,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}, --backend {opts.backend!r}: need seeds "
                         f">= 1, jobs >= 0 and a backend among {list(launch.BACKENDS)}")
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
-    arms = list(experiment.ARMS) if opts.arms.strip() == "all" else split(opts.arms)
+    arms = list(arms_table.ARMS) if opts.arms.strip() == "all" else split(opts.arms)
     lomo_arms, modes = split(opts.lomo_arms), split(opts.lomo_modes) or None
     parts(base, lomo_arms, modes, arms)  # refuse bad arms / modes before any work
     out = opts.out or f"runs/study-{opts.preset}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -1,0 +1,147 @@
+"""The arms: one table, a line per arm (what it changes, the labels it needs at train time, what the findings
+say of it); `projected-grpo arms` prints it.
+
+An arm is a named set of config changes on top of a preset. `<arm>@random`, `<arm>@shuffled` and
+`<arm>@nonhack` are any projection arm with a control V in place of the real one (twins): the negative
+controls a report compares the real V with. `random_V` is `erase@random` under its preregistered name
+(docs/preregistration.md). Labels needed at train time: `none` (nothing beyond the reward), `pairs`
+(contrastive (hack, clean) pairs, which ground truth may select: docs/architecture.md's no-cheat rule), or
+`per-sample` (a ground-truth judgement of every training rollout: an upper bound, not a deployable method).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+LABELS = ("none", "pairs", "per-sample")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: `changes` are config sections for config.replace; the rest is what `arms` prints."""
+
+    changes: dict[str, dict]
+    what: str
+    """what the arm changes, in one line"""
+    labels: str
+    """labels needed at train time (LABELS)"""
+    findings: str = ""
+    """what docs/findings.md says of it, with the section"""
+    role: str = "arm"
+    """`arm`, `baseline`, `negative control` or `positive control`"""
+
+    def __post_init__(self) -> None:
+        assert self.labels in LABELS, self.labels
+
+
+def _proj(arm: str, control: str = "none", **kw) -> dict[str, dict]:
+    return {"proj": {"arm": arm, "control": control, **kw}}
+
+
+# name -> Arm. The negative controls erase with a control V (hack/direction.py CONTROLS), so any effect they
+# have is the projection's, not the direction's.
+ARMS: dict[str, Arm] = {
+    "none": Arm(
+        _proj("none"), "plain GRPO on the foolable reward; V_hack only measured", "none",
+        "learns to hack in every mode, stops solving (findings 7.10)", "baseline"),
+    "erase": Arm(
+        _proj("erase"), "remove the hack-ward part of the knob gradient along V_hack (one-sided gate)",
+        "pairs",
+        "cuts hacking only by breaking the model: the gate drifts the knob along V (findings 7.2, 7.10)"),
+    "route": Arm(
+        _proj("route"), "erase, and send the removed part to the quarantine knob (zeroed at deployment)",
+        "pairs", "the deployed model collapses: no well-formed answer (findings 4, 7.10)"),
+    "route_update": Arm(
+        _proj("route", target="update"), "route the AdamW update's hack-ward part, not the gradient's",
+        "pairs", "H1 support with a broken deployed model; does not beat its shuffled twin (findings 7.6)"),
+    "erase_update": Arm(
+        _proj("erase", target="update"), "erase from the AdamW update rather than the gradient", "pairs",
+        "keeps the model whole; does not cut hacking or beat random V (findings 5, 7.1)"),
+    "random_V": Arm(
+        _proj("erase", "random"), "erase with a random orthonormal V of the same rank", "none",
+        "hacks less than none, far more than erase (findings 7.5, 7.10)", "negative control"),
+    "shuffled_V": Arm(
+        _proj("erase", "shuffled"), "erase with V from the pairs, labels shuffled: the real subspace, random "
+        "orientation (an orientation control)", "pairs",
+        "cuts hacking like erase (findings 7.5): the subspace's doing, not the label's", "negative control"),
+    "nonhack_V": Arm(
+        _proj("erase", "nonhack"), "erase with V from clean-vs-clean pairs", "pairs",
+        "cuts hacking by breaking the model, as erase does (findings 7.5)", "negative control"),
+    "gt_reward": Arm(
+        {**_proj("none"), "env": {"reward_from": "oracle"}}, "the oracle's honest reward in the grader's "
+        "place: what honest solving reaches", "per-sample",
+        "solving 0.45 -> 0.71 with well-formed answers (findings 7.10)", "positive control"),
+    # an exploit costs 2.0, more than the `seed` reward shape's whole 1.25 for a hack: hacking pays less
+    # than failing honestly
+    "gt_penalty": Arm(
+        {**_proj("none"), "env": {"hack_penalty": 2.0}}, "reward minus 2.0 when the oracle says the "
+        "completion exploited the grader", "per-sample", "", "baseline"),
+    "no_pool": Arm(
+        {**_proj("none"), "rollout": {"mix": 0.0}}, "no teacher rows: pure student GRPO (what the pool adds)",
+        "none", "on the demo preset (mix 0) it is `none` itself (findings 7.5)", "baseline"),
+    "ppo": Arm(
+        {**_proj("none"), "loss": {"algo": "ppo"}}, "PPO with a critic (value head, GAE) in GRPO's place",
+        "none", "", "baseline"),
+    "dpo_then_grpo": Arm(
+        {**_proj("none"), "dpo": {"before": True}}, "a DPO pass on V_hack's pairs (clean over hack), then "
+        "GRPO from its knobs", "pairs", "", "baseline"),
+}
+
+# `<arm>@<suffix>`: the projection arm with the control V of proj.control = TWINS[suffix]
+RANDOM_TWIN = "@random"
+TWINS: dict[str, str] = {RANDOM_TWIN: "random", "@shuffled": "shuffled", "@nonhack": "nonhack"}
+
+
+def arm_sections(arm: str) -> dict[str, dict] | None:
+    """The config changes of `arm`: ARMS[arm].changes, or for `<a>@random` (any suffix of TWINS) those of
+    projection arm `<a>` with proj.control = random (shuffled, nonhack); None for an unknown arm."""
+    if arm in ARMS:
+        return {s: dict(kw) for s, kw in ARMS[arm].changes.items()}
+    name, _, suffix = arm.rpartition("@")
+    base = ARMS.get(name)
+    if f"@{suffix}" not in TWINS or base is None or base.changes["proj"]["arm"] == "none" \
+            or base.changes["proj"]["control"] != "none":
+        return None
+    sections = {s: dict(kw) for s, kw in base.changes.items()}
+    sections["proj"]["control"] = TWINS[f"@{suffix}"]
+    return sections
+
+
+def control_twins(arms: Sequence[str], suffix: str = RANDOM_TWIN) -> dict[str, str]:
+    """arm -> its twin among `arms` with the control of `suffix` (a key of TWINS): `<arm>@random`, and for
+    erase also random_V by default; `@shuffled`: `<arm>@shuffled`, for erase also shuffled_V."""
+    out = {a: a + suffix for a in arms if a + suffix in arms}
+    named = f"{TWINS[suffix]}_V"  # erase's twin by its control's arm name: random_V, shuffled_V, nonhack_V
+    if "erase" in arms and "erase" not in out and named in arms:
+        out["erase"] = named
+    return out
+
+
+def describe_arm(arm: str) -> str:
+    """'proj.arm=erase, proj.control=random' for report.md."""
+    return ", ".join(f"{s}.{k}={v}" for s, kw in (arm_sections(arm) or {}).items() for k, v in kw.items())
+
+
+def table() -> str:
+    """The arms as a markdown table: name, role, labels at train time, what it changes, findings."""
+    rows = ["| arm | role | labels | what it changes | findings |", "|---|---|---|---|---|"]
+    rows += [f"| `{name}` | {a.role} | {a.labels} | {a.what} | {a.findings} |" for name, a in ARMS.items()]
+    twins = ", ".join(f"`<arm>{t}`" for t in TWINS)
+    rows.append(f"| {twins} | negative control | as `<arm>` | a projection arm with a control V in the real "
+                "one's place | |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str]) -> int:
+    """`projected-grpo arms`: print the arms table (markdown)."""
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: projected-grpo arms  (prints every arm: role, labels at train time, what it changes, "
+              "findings)")
+        return 0
+    if argv:
+        print(f"projected-grpo arms: takes no arguments, got {argv}", file=sys.stderr)
+        return 2
+    print(table())
+    return 0
