@@ -134,18 +134,18 @@ def test_merge_of_rank_batches_is_the_global_batch():
     # rank 0 sampled prompt a (one resampling round), rank 1 prompt b (two rounds, zero variance left)
     ga = [_sample("a", 1.0, True, True), _sample("a", 0.0, False, False)]
     gb = [_sample("b", 2.0, True, False), _sample("b", 2.0, False, False)]
-    r0 = Batch(3, "train", ["a"], [ga], torch.tensor([[1.0, 0.0]]), torch.tensor([False]), [ga[0].grade],
+    r0 = Batch(3, "train", ["a"], [ga], torch.tensor([[1.0, 0.0]]), torch.tensor([False]), [ga[0]],
                resampled=1, tries=1, clock={"generate": 0.5, "grade": 0.25}, shard=range(0, 1))
-    r1 = Batch(3, "train", ["b"], [gb], torch.tensor([[2.0, 2.0]]), torch.tensor([True]), [gb[0].grade],
+    r1 = Batch(3, "train", ["b"], [gb], torch.tensor([[2.0, 2.0]]), torch.tensor([True]), [gb[0]],
                resampled=2, tries=2, clock={"generate": 0.75}, shard=range(1, 2))
     m = merge([r0, r1], range(1, 2))
-    assert m.problem_ids == ["a", "b"] and m.groups == [ga, gb] and m.deploy == [ga[0].grade, gb[0].grade]
+    assert m.problem_ids == ["a", "b"] and m.groups == [ga, gb] and m.deploy == [ga[0], gb[0]]
     assert torch.equal(m.rewards, torch.tensor([[1.0, 0.0], [2.0, 2.0]]))
     assert m.keep == [0] and m.keep_mine == []  # rank 1's only group has no signal: it backpropagates nothing
     assert merge([r0, r1], range(0, 1)).keep_mine == [0]
     # resampled adds up (1 + 2), tries and clocks are the slowest rank's (the ranks sample side by side)
     assert (m.resampled, m.tries, m.clock) == (3, 2, {"generate": 0.75, "grade": 0.25})
-    alone = Batch(3, "train", ["a"], [ga], r0.rewards, r0.zero, [ga[0].grade])
+    alone = Batch(3, "train", ["a"], [ga], r0.rewards, r0.zero, [ga[0]])
     assert merge([alone], None) is alone and alone.keep_mine == alone.keep == [0]  # one process
 
 

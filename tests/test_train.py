@@ -224,34 +224,15 @@ def test_route_deploy_eval_and_v_refresh_are_logged(runs):
     assert "proj/v_overlap" not in rows[0] and 0.0 <= rows[1]["proj/v_overlap"] <= 1.0 + 1e-6
 
 
-def test_route_train_deploy_adds_the_deployed_groups_once_the_quarantine_moved(runs, tmp_path):
-    # the same run as runs["route"] (importance teacher, same pool) with proj.train_deploy: step 0 has a zero
-    # quarantine, so nothing is sampled twice and its gradient is route's exactly; at step 1 the deployed
-    # samples (the hack/deploy ones) are trained on too, so the gradient differs while the rates stay
-    route_cfg, route_rows, route_spy, _ = runs["route"]
-    cfg = C.replace(route_cfg, run={"dir": str(tmp_path / "rd")}, proj={"train_deploy": True})
-    with pytest.MonkeyPatch.context() as mp:
-        spy = Spy(mp)
-        T.train(cfg)
-    rows = metrics.read_rows(tmp_path / "rd" / "metrics.jsonl")
-    g0, r0 = spy.calls[0]["g"], route_spy.calls[0]["g"]
-    assert all(torch.equal(g0[n], r0[n]) for n in g0)
-    assert any(not torch.equal(spy.calls[1]["g"][n], route_spy.calls[1]["g"][n]) for n in g0)
-    for k in ("hack/student", "hack/deploy", "solve/deploy", "teacher/frac"):
-        assert rows[1][k] == route_rows[1][k], k
-    with pytest.raises(UserError, match="train_deploy needs arm 'route'"):
-        C.replace(cfg, proj={"arm": "erase"})
-
-
-def test_chunks_keep_one_view_per_micro_batch():
+def test_chunks_split_the_kept_groups_into_micro_batches():
     from projected_grpo.run.batches import Batch
 
     zero = torch.tensor([False, True, False, False, False, False])
-    b = Batch(0, "train", [], [[]] * 6, torch.zeros(6, 2), zero, [], views=["train"] * 3 + ["deploy"] * 3)
-    # kept: 0, 2 (train), 3, 4, 5 (deploy); micro 2 -> [0, 2], [3, 4], [5]
-    assert b.chunks(2) == [[0, 2], [3, 4], [5]] and b.view(4) == "deploy"
-    plain = Batch(0, "train", [], [[]] * 6, torch.zeros(6, 2), zero, [])
-    assert plain.chunks(4) == [[0, 2, 3, 4], [5]] and plain.view(4) == "train"
+    b = Batch(0, "train", [], [[]] * 6, torch.zeros(6, 2), zero, [])
+    # kept: 0, 2, 3, 4, 5 (1 is zero-variance); micro 2 -> [0, 2], [3, 4], [5]
+    assert b.chunks(2) == [[0, 2], [3, 4], [5]] and b.chunks(4) == [[0, 2, 3, 4], [5]]
+    b.shard = range(3, 6)  # a rank's own groups only
+    assert b.chunks(2) == [[3, 4], [5]]
 
 
 def test_gradient_accumulation_matches_one_big_batch(runs, tmp_path):

@@ -261,10 +261,6 @@ class ProjCfg:
     denominator G * max_new_tokens * prompts_per_step (the Dr.GRPO aggregation's, docs/losses.md)"""
     refresh_every: int = 0
     """re-extract V_hack online every N steps under ablate_quarantine() (0 = never)"""
-    train_deploy: bool = False
-    """route only: the deployed view's samples (quarantine zeroed, drawn every step for hack/deploy) train
-    the main knob too, as groups of their own (same teacher rows) whose forward zeroes the quarantine: the
-    deployed model then trains on its own samples (docs/findings.md 4)"""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -275,9 +271,6 @@ class ProjCfg:
                              "got 'reverse'")
         if not 0.0 <= self.drop_bottom_frac < 1.0:
             raise UserError(f"config: ProjCfg.drop_bottom_frac={self.drop_bottom_frac!r} must be in [0, 1)")
-        if self.train_deploy and self.arm != "route":
-            raise UserError(f"config: ProjCfg.train_deploy needs arm 'route' (the only arm whose deployed "
-                            f"view differs from its students), got {self.arm!r}")
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,11 @@
 Per step: draw B prompts (from the environment's "warmup" set for the first `curriculum_steps` steps, then
 "train"), G_t frozen teacher rows per prompt from the pool, and G_s live student samples (all G when a
 prompt has no teacher rows and pool.missing = "students"), sampled with the knobs merged and graded through
-the environment (sample.sample_and_grade). Groups whose G rewards have no spread are resampled here when
-loss.zero_var = "resample" (students only, a fresh seed per try). Under `route` the quarantine knob is on
-while the students sample, so the deployed model (quarantine zeroed) is sampled again on the same prompts
-with the students' seed; otherwise the students are the deployed model's samples (docs/architecture.md).
-With proj.train_deploy those deployed samples are trained on too, as groups of their own (`Batch.views`).
+the environment (`sample_groups` -> sample.sample_and_grade). Groups whose G rewards have no spread are
+resampled here when loss.zero_var = "resample" (students only, a fresh seed per try). Under `route` the
+quarantine knob is on while the students sample, so the deployed model (quarantine zeroed) is sampled
+again on the same prompts with the students' seed, through the same `sample_groups`; otherwise the students
+are the deployed model's samples (docs/architecture.md).
 Seeds: students of try t use step_seed(run.seed, step, t) (one per prompt with rollout.seed_scope "prompt");
 the draws are deterministic given the cursors, which the loop checkpoints. Data-parallel (run/dist.py): every
 rank draws the same B prompts and teacher rows, samples and grades its contiguous share, and the shares are
@@ -39,15 +39,11 @@ class Batch:
              students). rewards (B, G) float32: each sample's reward minus env.hack_penalty when it
              exploited the grader (the gt_penalty baseline only; 0 for every projection arm).
     zero     (B,) bool: the group's rewards have no spread (no signal; skipped by the loss).
-    deploy   the deployed model's grades on this step's prompts, len B * G_s (the students' own grades
+    deploy   the deployed model's Samples on this step's prompts, len B * G_s (the students themselves
              unless the quarantine knob is non-zero). stage: the problem set drawn from.
     resampled / tries: zero-variance groups resampled and resampling rounds. clock: seconds spent in
     "generate" and "grade" (deploy view included). shard: the groups this rank trains on under torchrun
-    (None: all, one process); the other fields hold every rank's groups (merge). deploy_modes: the loophole
-    mode of each `deploy` grade (for the per-mode rates hack/deploy/<mode>). views: per group, "train"
-    (sampled as the students are) or "deploy" (the deployed view's samples with the same teacher rows,
-    trained with the quarantine zeroed: proj.train_deploy; those groups follow the B train ones; one
-    process only, session.py refuses it under torchrun).
+    (None: all, one process); the other fields hold every rank's groups (merge).
     """
 
     step: int
@@ -56,36 +52,26 @@ class Batch:
     groups: list[list[Sample]]
     rewards: torch.Tensor
     zero: torch.Tensor
-    deploy: list[Graded]
+    deploy: list[Sample]
     resampled: int = 0
     tries: int = 0
     clock: dict[str, float] = dataclasses.field(default_factory=dict)
     shard: range | None = None
-    deploy_modes: list[str] = dataclasses.field(default_factory=list)
-    views: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def keep(self) -> list[int]:
         """Indices of the groups with signal (not zero-variance)."""
         return [b for b in range(len(self.groups)) if not bool(self.zero[b])]
 
-    def view(self, b: int) -> str:
-        """Group b's view: "train" unless `views` says "deploy"."""
-        return self.views[b] if self.views else "train"
-
-    def chunks(self, micro: int) -> list[list[int]]:
-        """This rank's kept groups (keep_mine) in micro-batches of at most `micro` groups, each of one view
-        (train first)."""
-        out = []
-        for v in ("train", "deploy"):
-            idx = [b for b in self.keep_mine if self.view(b) == v]
-            out += [idx[c:c + micro] for c in range(0, len(idx), micro)]
-        return out
-
     @property
     def keep_mine(self) -> list[int]:
         """`keep` within this rank's shard: the groups it backpropagates (all of keep in one process)."""
         return [b for b in self.keep if self.shard is None or b in self.shard]
+
+    def chunks(self, micro: int) -> list[list[int]]:
+        """This rank's kept groups (keep_mine) in micro-batches of at most `micro` groups."""
+        idx = self.keep_mine
+        return [idx[c:c + micro] for c in range(0, len(idx), micro)]
 
     @property
     def samples(self) -> list[Sample]:
@@ -122,14 +108,36 @@ def merge(parts: Sequence[Batch], shard: range | None) -> Batch:
                  [d for p in parts for d in p.deploy], sum(p.resampled for p in parts),
                  max(p.tries for p in parts), {k: max(p.clock.get(k, 0.0) for p in parts)
                                                for k in dict.fromkeys(k for p in parts for k in p.clock)},
-                 shard=shard, deploy_modes=[m for p in parts for m in p.deploy_modes],
-                 views=[v for p in parts for v in p.views])
+                 shard=shard)
 
 
 def stage_at(step: int, curriculum_steps: int, sets: dict[str, list]) -> str:
     """The problem set step draws from: "warmup" for the first curriculum_steps steps (if the environment
     has one), then "train" (the arithmetic curriculum)."""
     return "warmup" if step < curriculum_steps and "warmup" in sets else "train"
+
+
+def sample_groups(cfg: C.Config, model, tokenizer, env, problems: Sequence, prompt_ids: dict[str, list[int]],
+                  n_students: Sequence[int], index: Sequence[int], step: int, tries: int,
+                  clock: dict[str, float]) -> list[list[Sample]]:
+    """n_students[j] graded samples of each of `problems` (j indexes both), one batched call per group size,
+    seeded by rollout.seed_scope from (run.seed, step, tries) and the groups' indices `index` among the
+    step's B prompts. The caller picks the model's view (knobs.merged(), ablate_quarantine()): this is the one
+    sampling path of the students and the deployed view."""
+    out: list[list[Sample]] = [[] for _ in problems]
+    seeds = SEED_SCOPES[cfg.rollout.seed_scope]
+    for n in sorted(set(n_students)):
+        rows = [j for j, k in enumerate(n_students) if k == n]
+        # a group without teacher rows (pool.missing = "students") draws from a seed of its own
+        tag = () if n == cfg.rollout.G_s else ("all-student",)
+        seed = seeds(cfg.run.seed, step, tries, [index[j] for j in rows], *tag)
+        got = sample_and_grade(model, tokenizer, env, [problems[b] for b in rows], prompt_ids, n,
+                               max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                               top_p=cfg.rollout.top_p, seed=seed, clock=clock,
+                               share_prefill=cfg.rollout.share_prefix)
+        for j, b in enumerate(rows):
+            out[b] = got[j * n:(j + 1) * n]
+    return out
 
 
 def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, object],
@@ -143,69 +151,43 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
     sets = env.problem_sets()
     G, G_t = cfg.rollout.group_size, cfg.rollout.G_t
     reward_of = REWARD_FROM[cfg.env.reward_from]
-    seeds = SEED_SCOPES[cfg.rollout.seed_scope]
     for step in range(start, cfg.run.steps):
         stage = stage_at(step, env.curriculum_steps, sets)
         pids = cursors[stage].take(cfg.rollout.prompts_per_step)
         # G_t teacher rows per prompt; a prompt the pool lacks (pool.missing = "students") gets none
         teacher = [pool_cur.draw(i, G_t, step, b) if G_t and i in pool_cur.pool.by_problem else []
                    for b, i in enumerate(pids)]
-        n_students = [G - len(t) for t in teacher]
-        groups: list[list[Sample]] = [[] for _ in pids]
-        clock: dict[str, float] = {}
         mine = dist.shard(len(pids))  # this rank's groups (all of them in one process)
-        todo, tries, resampled = list(mine), 0, 0
+        probs, n_students = [problems[pids[b]] for b in mine], [G - len(teacher[b]) for b in mine]
+        clock: dict[str, float] = {}
+        groups: list[list[Sample]] = [[] for _ in mine]  # this rank's groups, in `mine` order
+        todo, tries, resampled = list(range(len(mine))), 0, 0
         while True:
-            for n in sorted({n_students[b] for b in todo}):  # one batched call per group shape
-                rows = [b for b in todo if n_students[b] == n]
-                seed = seeds(cfg.run.seed, step, tries, rows) if n == G - G_t else \
-                    seeds(cfg.run.seed, step, tries, rows, "all-student")
-                with torch.no_grad(), knobs.merged():  # sample at the plain model's cost (adapters.py)
-                    got = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in rows],
-                                           prompt_ids, n, max_new_tokens=cfg.rollout.max_new_tokens,
-                                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                           seed=seed, clock=clock, share_prefill=cfg.rollout.share_prefix)
-                for j, b in enumerate(rows):
-                    groups[b] = got[j * n:(j + 1) * n] + teacher[b]
+            with torch.no_grad(), knobs.merged():  # sample at the plain model's cost (adapters.py)
+                got = sample_groups(cfg, model, tokenizer, env, [probs[j] for j in todo], prompt_ids,
+                                    [n_students[j] for j in todo], [mine[j] for j in todo], step, tries,
+                                    clock)
+            for j, g in zip(todo, got):
+                groups[j] = g + teacher[mine[j]]
             # ground-truth baselines only (gt_reward: reward_from oracle; gt_penalty: hack_penalty > 0): the
             # oracle never shapes a projection arm's reward (the no-cheat rule, docs/architecture.md)
-            rewards = torch.tensor([[reward_of(s) - cfg.env.hack_penalty * s.grade.exploited
-                                     for s in groups[b]] for b in mine])  # (B, G) float32: this rank's groups
+            rewards = torch.tensor([[reward_of(s) - cfg.env.hack_penalty * s.grade.exploited for s in g]
+                                    for g in groups])  # (B, G) float32: this rank's groups
             zero = zero_variance_mask(rewards)  # (B,)
-            todo = [b for j, b in enumerate(mine) if zero[j]]
+            todo = [j for j in range(len(mine)) if zero[j]]
             if cfg.loss.zero_var != "resample" or tries >= cfg.loss.max_resample or not todo:
                 break
             tries, resampled = tries + 1, resampled + len(todo)
-        deploy = [s.grade for b in mine for s in groups[b] if s.student]
-        deploy_modes = [s.mode for b in mine for s in groups[b] if s.student]
-        mine_groups, views = [groups[b] for b in mine], []
+        deploy = [s for g in groups for s in g if s.student]
         if any(bool(v.any()) for v in knobs.values("hack").values()):
-            # the same prompts as deployed (quarantine zeroed), as many samples per prompt as its students,
-            # with the students' first-try seeds
-            shown: dict[int, list[Sample]] = {}
-            for n in sorted({n_students[b] for b in mine}):
-                rows = [b for b in mine if n_students[b] == n]
-                seed = seeds(cfg.run.seed, step, 0, rows) if n == G - G_t else \
-                    seeds(cfg.run.seed, step, 0, rows, "all-student")
-                with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
-                    got = sample_and_grade(model, tokenizer, env, [problems[pids[b]] for b in rows],
-                                           prompt_ids, n, max_new_tokens=cfg.rollout.max_new_tokens,
-                                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                           seed=seed, clock=clock, share_prefill=cfg.rollout.share_prefix)
-                for j, b in enumerate(rows):
-                    shown[b] = got[j * n:(j + 1) * n]
-            deploy = [s.grade for b in mine for s in shown[b]]
-            deploy_modes = [s.mode for b in mine for s in shown[b]]
-            if cfg.proj.train_deploy:  # the deployed view's samples become groups of their own
-                extra = [shown[b] + teacher[b] for b in mine]
-                extra_r = torch.tensor([[reward_of(s) - cfg.env.hack_penalty * s.grade.exploited for s in g]
-                                        for g in extra])  # (B, G)
-                mine_groups, rewards = mine_groups + extra, torch.cat([rewards, extra_r])
-                zero = torch.cat([zero, zero_variance_mask(extra_r)])
-                views = ["train"] * len(mine) + ["deploy"] * len(mine)
-        local = Batch(step, stage, [pids[b] for b in mine], mine_groups, rewards, zero, deploy, resampled,
-                      tries, clock, shard=mine if dist.active() else None, deploy_modes=deploy_modes,
-                      views=views)
+            # the deployed model (quarantine zeroed) on the same prompts, as many samples per prompt as its
+            # students, with the students' first-try seeds
+            with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
+                shown = sample_groups(cfg, model, tokenizer, env, probs, prompt_ids, n_students, mine,
+                                      step, 0, clock)
+            deploy = [s for g in shown for s in g]
+        local = Batch(step, stage, [pids[b] for b in mine], groups, rewards, zero, deploy, resampled, tries,
+                      clock, shard=mine if dist.active() else None)
         yield merge(dist.all_gather(local), local.shard)  # the global batch (this one, in one process)
 
 

@@ -65,9 +65,6 @@ def init(cfg: C.Config) -> None:
         raise UserError(f"config: rollout.seed_scope={cfg.rollout.seed_scope!r}: data-parallel training "
                         "draws each prompt's samples from its own seed; add --rollout.seed-scope prompt (one "
                         "process with it trains the same run)")
-    if cfg.proj.train_deploy:  # its extra groups would follow each rank's own, out of the shards' order
-        raise UserError("config: proj.train_deploy is one-process only (its deployed-view groups are not "
-                        "sharded over ranks); run it without torchrun")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")

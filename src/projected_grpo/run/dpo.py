@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import pathlib
 import sys
 import time
@@ -29,11 +28,11 @@ from projected_grpo import presets, store
 from projected_grpo.errors import UserError
 from projected_grpo.hack import pairs as PR
 from projected_grpo.hack import resolve
-from projected_grpo.knobs import projection
 from projected_grpo.objective.losses import DPO_LOSSES
 from projected_grpo.objective.schedule import lr_at
 from projected_grpo.run import checkpoint, metrics, session, setup
 from projected_grpo.run.row import rates
+from projected_grpo.run.step import projected_step, set_lr
 from projected_grpo.sampling.generate import step_seed
 from projected_grpo.sampling.pack import pack
 from projected_grpo.sampling.sample import sample_and_grade
@@ -152,7 +151,6 @@ def train_dpo(cfg: C.Config) -> dict:
         opt = torch.optim.AdamW([{"params": knobs.parameters()}, {"params": knobs.hack_parameters()}],
                                 lr=cfg.dpo.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                 weight_decay=cfg.optim.weight_decay)
-        params = knobs.parameters() + knobs.hack_parameters()
         if ck is not None:
             ck.load_knobs(knobs)
             V_hack, v_line = ck.V_hack, f"V_hack from {ck.path}"
@@ -166,8 +164,6 @@ def train_dpo(cfg: C.Config) -> dict:
         bar = metrics.Progress(cfg.dpo.steps, initial=start, desc="dpo")
         print(f"run {run_dir} from step {start} | DPO ({cfg.dpo.loss}, beta {cfg.dpo.beta}) on {len(fit)} "
               f"pairs, {len(held)} held out | arm {cfg.proj.arm} | {v_line}", file=sys.stderr)
-        grad_arm = cfg.proj.arm if cfg.proj.target in ("grad", "both") else "none"
-        update_arm = cfg.proj.arm if cfg.proj.target in ("update", "both") else "none"
         size = min(cfg.dpo.batch_pairs, len(fit))
         t_mark = time.perf_counter()
         for step in range(start, cfg.dpo.steps):
@@ -183,20 +179,11 @@ def train_dpo(cfg: C.Config) -> dict:
                 raise FloatingPointError(f"step {step}: non-finite DPO loss")
             loss.backward()
             session.check_finite(step, "gradient", {"knobs": knobs.grads("main")})
-            proj = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate)
-            stats |= {k: float(v) for k, v in proj.items()}
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_norm or math.inf))
-            if cfg.proj.purge_moments and cfg.proj.arm != "none":  # the Adam bypass, as train.py closes it
-                gate = "no_gate" if cfg.proj.gate == "no_gate" else "one_sided"
-                stats |= {k: float(v) for k, v in projection.purge_moments(opt, knobs, V_hack, gate).items()}
             lr = lr_at(step, peak=cfg.dpo.lr, total=cfg.dpo.steps, warmup=cfg.optim.warmup_steps,
                        floor_frac=cfg.optim.min_lr_frac)
-            for group in opt.param_groups:
-                group["lr"] = lr
-            before = projection.snapshot(knobs)
-            opt.step()
-            stats |= {k: float(v) for k, v in projection.project_update(
-                knobs, before, V_hack, update_arm, cfg.proj.gate).items()}
+            set_lr(opt, lr)
+            stats |= {k: float(v) for k, v in projected_step(cfg, opt, knobs, V_hack).items()}
+            grad_norm = stats.pop("grad/norm")
             if held:
                 with torch.no_grad():
                     h_loss, h_stats = _loss(cfg, seq_logps(model, tok, [items[i] for i in held], dev, chunk),

@@ -29,7 +29,6 @@ import torch
 from projected_grpo import config as C
 from projected_grpo.errors import UserError
 from projected_grpo.hack import resolve
-from projected_grpo.knobs import projection
 from projected_grpo.knobs.value_head import ValueHead
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
 from projected_grpo.objective.losses import (
@@ -48,6 +47,7 @@ from projected_grpo.objective.schedule import lr_at
 from projected_grpo.objective.teacher import TEACHER_MODES
 from projected_grpo.run import batches, checkpoint, metrics, session, setup
 from projected_grpo.run.row import eval_rates, step_row
+from projected_grpo.run.step import projected_step
 from projected_grpo.sampling.generate import step_seed
 from projected_grpo.sampling.pack import SeqBatch, pack, pad_right, position_ids_from_mask
 
@@ -205,9 +205,6 @@ def optimize(cfg: C.Config, model, knobs, head: ValueHead, opt, tok, samples, re
     in order, the scored batch, adv (N, T), the rollout's GAE stats)."""
     old = score(cfg, model, knobs, head, tok, samples)
     adv, returns, gae_stats = advantages(cfg, rewards, old)
-    grad_arm = cfg.proj.arm if cfg.proj.target in ("grad", "both") else "none"
-    update_arm = cfg.proj.arm if cfg.proj.target in ("update", "both") else "none"
-    params = knobs.parameters() + knobs.hack_parameters()
     clip = cfg.optim.clip_norm or math.inf
     updates = []
     for epoch in range(cfg.ppo.epochs):
@@ -217,19 +214,12 @@ def optimize(cfg: C.Config, model, knobs, head: ValueHead, opt, tok, samples, re
             opt.zero_grad(set_to_none=True)
             stats, split = update(cfg, model, knobs, head, tok, samples, idx, old, adv, returns, step)
             session.check_finite(step, "gradient", {"student": split.g_student, "teacher": split.g_teacher})
-            st = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate, split=split)
-            st["grad/norm"] = torch.nn.utils.clip_grad_norm_(params, clip)
             # the head's gradient is the value loss's alone: clipped on its own scale
-            st["value/grad_norm"] = torch.nn.utils.clip_grad_norm_(head.parameters(), clip)
-            if cfg.proj.purge_moments and cfg.proj.arm != "none":
-                st |= projection.purge_moments(opt, knobs, V_hack,
-                                               "no_gate" if cfg.proj.gate == "no_gate" else "one_sided")
-            before = projection.snapshot(knobs)
+            st = {"value/grad_norm": torch.nn.utils.clip_grad_norm_(head.parameters(), clip)}
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, peak=group["peak"], total=cfg.run.steps,
                                     warmup=cfg.optim.warmup_steps, floor_frac=cfg.optim.min_lr_frac)
-            opt.step()
-            st |= projection.project_update(knobs, before, V_hack, update_arm, cfg.proj.gate)
+            st |= projected_step(cfg, opt, knobs, V_hack, split=split)
             updates.append(stats | {k: float(v) for k, v in st.items()})
     return updates, old, adv, gae_stats
 

@@ -55,9 +55,7 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
     losses and projection (already aggregated over micro-batches); knob_norms: Knobs.norms().
     """
     is_student = batch.is_student  # (B, G)
-    # the rates of the students and teachers the step sampled as training (not the deployed view's groups
-    # that proj.train_deploy adds: those are the hack/deploy samples)
-    trained = [s for b, g in enumerate(batch.groups) if batch.view(b) == "train" for s in g]
+    trained = batch.samples
     students = [s for s in trained if s.student]
     teachers = [s for s in trained if not s.student]
     row: dict[str, object] = {k: v if isinstance(v, str) else float(v) for k, v in stats.items()}
@@ -71,8 +69,8 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
             "hack/teacher": _mean([s.grade.exploited for s in teachers]),
             "solve/student": _mean([s.grade.solved for s in students]),
             "solve/teacher": _mean([s.grade.solved for s in teachers]),
-            **rates(batch.deploy, "deploy"),
-            **(mode_rates(batch.deploy, batch.deploy_modes, "deploy") if batch.deploy_modes else {}),
+            **rates([s.grade for s in batch.deploy], "deploy"),
+            **mode_rates([s.grade for s in batch.deploy], [s.mode for s in batch.deploy], "deploy"),
             **{k: float(v) for k, v in knob_norms.items()},
             "completion/mean_len": _mean([len(s.completion_ids) for s in students]),
             "completion/max_len": float(max(len(s.completion_ids) for s in students)),
