@@ -15,7 +15,6 @@ from projected_grpo.objective.advantages import (
     ZERO_VAR_EPS,
     batch_std_advantages,
     dr_grpo_advantages,
-    get_advantage,
     grpo_advantages,
     rloo_advantages,
     zero_variance_mask,
@@ -154,10 +153,3 @@ def test_bad_input_rejected(name):
         fn(torch.tensor([[0.0, 1.0], [float("nan"), 1.0]]))
     with pytest.raises(TypeError, match="floating"):
         fn(torch.zeros(2, 2, dtype=torch.long))
-
-
-def test_unknown_estimator_lists_known_names():
-    known = "known: batch_std, dr_grpo, grpo, rloo"
-    with pytest.raises(KeyError, match=f"unknown advantage estimator 'ppo'; {known}"):
-        get_advantage("ppo")
-    assert get_advantage("rloo") is rloo_advantages

@@ -16,12 +16,12 @@ from projected_grpo.envs.coding.completions import (
     hack_completions,
 )
 from projected_grpo.envs.coding.grading import MAX_CODE_CHARS, Grader, grade
-from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES, problems_by_mode
+from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES
 from projected_grpo.envs.coding.prompts import extract_code
 from projected_grpo.envs.coding.sandbox import SandboxPool
 from projected_grpo.envs.coding.selfcheck import check_builtin, hack_mode_table
 
-FIRST = {m: ps[0] for m, ps in problems_by_mode(BUILTIN_PROBLEMS).items()}
+FIRST = {m: next(p for p in BUILTIN_PROBLEMS if p.mode == m) for m in MODES}
 SUM = FIRST["run_tests"]  # sum_list: sum of nums, tests [1, 2, 3] -> 6, [4, -1] -> 3, ...
 assert SUM.id == "sum_list"
 

@@ -26,12 +26,25 @@ from projected_grpo.envs.coding.problems import (
     TestCase,
     check_plain,
     method_source,
-    problems_by_mode,
     py_literal,
 )
-from projected_grpo.envs.coding.prompts import build_chatml, build_messages, extract_code
+from projected_grpo.envs.coding.prompts import SYSTEM_PROMPT, build_messages, extract_code
 
 BY_ID = {p.id: p for p in BUILTIN_PROBLEMS}
+
+
+def problems_by_mode(problems: list[Problem] | tuple[Problem, ...]) -> dict[str, list[Problem]]:
+    """Group problems by their mode, every mode present (possibly with an empty list)."""
+    out: dict[str, list[Problem]] = {m: [] for m in MODES}
+    for p in problems:
+        out[p.mode].append(p)
+    return out
+
+
+def build_chatml(problem: Problem, system_prompt: str = SYSTEM_PROMPT) -> str:
+    """The same conversation as raw ChatML text, ending where the assistant's answer starts."""
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+                   for m in build_messages(problem, system_prompt)) + "<|im_start|>assistant\n"
 
 
 def _call(source: str, p: Problem, args: str):

@@ -32,9 +32,6 @@ class PPOCfg:
     """clip range c of the value loss: V may move at most c from V_old per batch before its gradient stops"""
     ent_coef: float = 0.01
     """entropy-bonus coefficient (the loss gets −ent_coef·H per token)"""
-    kl_to: Literal["old", "ref"] = "old"
-    """what the β·KL penalty (loss.beta, estimator loss.kl) holds the policy to: `old` the batch's pre-update
-    policy, `ref` the reference (knobs zeroed); kl/mean always measures against the reference"""
     whiten: bool = True
     """normalise the GAE advantages to mean 0, std 1 over each batch's completion tokens (TRL's PPO)"""
     lr: float = 0.0

@@ -68,7 +68,3 @@ def enable(model: nn.Module, on: bool = True) -> None:
             layer.forward = types.MethodType(_checkpointed_forward, layer)
         elif "forward" in vars(layer):
             del layer.forward
-
-
-def is_enabled(model: nn.Module) -> bool:
-    return any("forward" in vars(m) for m in layers(model))

@@ -17,8 +17,6 @@ from collections.abc import Callable
 
 import torch
 
-from projected_grpo.objective.losses import pick
-
 Stats = dict[str, torch.Tensor]
 
 # TRL GRPOTrainer divides by (std + 1e-4) and uses torch.std (Bessel-corrected, unbiased);
@@ -133,8 +131,3 @@ ADVANTAGES: dict[str, Callable[[torch.Tensor], tuple[torch.Tensor, Stats]]] = {
     "rloo": rloo_advantages,
     "batch_std": batch_std_advantages,
 }
-
-
-def get_advantage(name: str) -> Callable[[torch.Tensor], tuple[torch.Tensor, Stats]]:
-    """The estimator called `name`; raises listing the known names otherwise."""
-    return pick(ADVANTAGES, name, "advantage estimator")

@@ -13,22 +13,12 @@ log-probs/entropy from logits (logprobs.py), anything reading a config or a mode
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
 
 Stats = dict[str, torch.Tensor]
-V = TypeVar("V")
-
-
-def pick(table: Mapping[str, V], name: str, what: str) -> V:
-    """`table[name]`, or a KeyError naming `what` and listing the known names."""
-    if name not in table:
-        raise KeyError(f"unknown {what} {name!r}; known: {', '.join(sorted(table))}")
-    return table[name]
 
 
 # --- checks ---------------------------------------------------------------------------------------
@@ -64,37 +54,17 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return zero_pad(x, mask).sum() / mask.to(x.dtype).sum()
 
 
-# --- PPO-clip surrogate (token or GSPO sequence ratio) --------------------------------------------
-
-def token_log_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """PPO per-token log-ratio log(pi/pi_old).  (N, T) -> (N, T)."""
-    return logp - logp_old.detach()
-
-
-def sequence_log_ratio(logp: torch.Tensor, logp_old: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GSPO (Zheng et al. 2025, arXiv:2507.18071): length-normalised sequence log-ratio
-    log s_i = (1/|y_i|) sum_t (logp - logp_old), broadcast to every token of sequence i.  (N, T) -> (N, T)."""
-    m = mask.to(logp.dtype)
-    length = m.sum(dim=1, keepdim=True).clamp(min=1.0)  # (N, 1); an empty row gives ratio 1
-    seq = zero_pad(logp - logp_old.detach(), mask).sum(dim=1, keepdim=True) / length  # (N, 1)
-    return seq.expand_as(logp)
-
-
-RATIO_LEVELS = {"token": token_log_ratio, "sequence": sequence_log_ratio}
-
+# --- PPO-clip surrogate ---------------------------------------------------------------------------
 
 def clip_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, *,
-                   eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
-                   ratio_level: str = "token") -> tuple[torch.Tensor, Stats]:
+                   eps_low: float = 0.2, eps_high: float = 0.2) -> tuple[torch.Tensor, Stats]:
     """PPO-clip token loss (Schulman et al. 2017) with asymmetric eps (DAPO "clip-higher", Yu et al.
-    2025, arXiv:2503.14476) and an optional dual-clip bound c > 1 for adv < 0 (Ye et al. 2020,
-    arXiv:1912.09729):  loss = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A), then for A < 0
-    loss = min(loss, -c*A).  ratio_level "token" (r = pi/pi_old per token) or "sequence" (GSPO).
+    2025, arXiv:2503.14476):  loss = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A), r = pi/pi_old per token.
 
     logp, logp_old, mask: (N, T); adv: (N,) per sequence or (N, T) per token.
     Returns loss_tok (N, T) (unmasked; the aggregation masks) and stats: clip/low_frac (r < 1-eps_low,
-    A < 0), clip/high_frac (r > 1+eps_high, A > 0), clip/region_frac (either), clip/dual_frac, ratio/mean,
-    ratio/max, all masked token fractions/means.
+    A < 0), clip/high_frac (r > 1+eps_high, A > 0), clip/region_frac (either), ratio/mean, ratio/max, all
+    masked token fractions/means.
     """
     shape = _check_same("clip_surrogate", logp=logp, logp_old=logp_old)
     _check_mask(mask, shape, "clip_surrogate")
@@ -106,17 +76,10 @@ def clip_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor
     if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0):
         raise ValueError(f"clip_surrogate: need 0 <= eps_low < 1 and eps_high >= 0, "
                          f"got eps_low={eps_low}, eps_high={eps_high}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"clip_surrogate: dual_clip bound c must be > 1 (Ye et al. 2020), got {dual_clip}")
     adv = adv.detach()
-    ratio = torch.exp(pick(RATIO_LEVELS, ratio_level, "ratio level")(logp, logp_old, mask))  # (N, T)
+    ratio = torch.exp(logp - logp_old.detach())  # (N, T)
     clipped = torch.clamp(ratio, 1.0 - eps_low, 1.0 + eps_high)
     loss_tok = torch.maximum(-adv * ratio, -adv * clipped)  # = -min(r A, clip(r) A)
-    dual = torch.zeros_like(ratio, dtype=torch.bool)
-    if dual_clip is not None:
-        # Dual-clip PPO: for A < 0 a huge ratio would give an unbounded loss; cap it at -c*A.
-        dual = (adv < 0) & (loss_tok > -dual_clip * adv)
-        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, -dual_clip * adv), loss_tok)
     with torch.no_grad():
         r = ratio.detach()
         low = (r < 1.0 - eps_low) & (adv < 0)
@@ -126,7 +89,6 @@ def clip_surrogate(logp: torch.Tensor, logp_old: torch.Tensor, adv: torch.Tensor
             "clip/low_frac": masked_mean(low.float(), mask),
             "clip/high_frac": masked_mean(high.float(), mask),
             "clip/region_frac": masked_mean((low | high).float(), mask),
-            "clip/dual_frac": masked_mean(dual.float(), mask),
             "ratio/mean": masked_mean(r, mask), "ratio/max": r[m].max(),
         }
     return loss_tok, stats

@@ -38,7 +38,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "curriculum/stage",
     "adv/mean", "adv/std", "adv/abs_max", "adv/student_mean", "adv/teacher_mean",
     "groups/zero_std", "groups/skipped", "groups/resampled", "groups/resample_tries",
-    "loss/kl", "kl/is_weight_mean", "clip/region_frac", "clip/dual_frac", "ratio/mean", "ratio/max",
+    "loss/kl", "kl/is_weight_mean", "clip/region_frac", "ratio/mean", "ratio/max",
     "teacher/mode", "teacher/frac", "teacher/ratio_mean", "teacher/is_weight_mean", "teacher/clip_frac",
     "proj/norm_removed", "proj/skipped", "proj/cin_module_mean", "proj/cout_module_mean",
     "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",

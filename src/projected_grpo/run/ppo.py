@@ -51,9 +51,6 @@ from projected_grpo.run.step import projected_step
 from projected_grpo.sampling.generate import step_seed
 from projected_grpo.sampling.pack import SeqBatch, pack, pad_right, position_ids_from_mask
 
-# ppo.kl_to -> the log-probs the β·KL penalty is taken against, from (logp_old, logp_ref)
-KL_TARGETS = {"old": lambda logp_old, logp_ref: logp_old, "ref": lambda logp_old, logp_ref: logp_ref}
-
 
 def forward_with_values(model, head: ValueHead, seqs: SeqBatch, *, temperature: float):
     """One forward: per completion token logp, entropy (of softmax(logits / temperature)) and V, all (N, T)
@@ -147,8 +144,9 @@ def update(cfg: C.Config, model, knobs, head, tok, samples, idx: torch.Tensor, o
             pg_tok, clip_stats = clip_surrogate(logp, logp_old, at(adv), mask, eps_low=cfg.loss.eps_low,
                                                 eps_high=cfg.loss.eps_high)
             kl_tok, kl_stats = KL_ESTIMATORS[cfg.loss.kl](logp, at(old.logp_ref), mask, logp_old=logp_old)
-            kl_target = KL_TARGETS[cfg.ppo.kl_to](logp_old, at(old.logp_ref))
-            pen_tok, _ = KL_ESTIMATORS[cfg.loss.kl](logp, kl_target, mask, logp_old=logp_old)
+            # the β·KL penalty holds the policy to the pre-update policy (Schulman et al. 2017 sec. 4);
+            # kl/mean above measures the distance to the reference
+            pen_tok, _ = KL_ESTIMATORS[cfg.loss.kl](logp, logp_old, mask, logp_old=logp_old)
             ent_tok, ent_stats = entropy_bonus(entropy, mask, coef=cfg.ppo.ent_coef)
             vf_tok, vf_stats = value_loss(values, at(old.values_old), at(returns), mask,
                                           clip_range=cfg.ppo.vf_clip)

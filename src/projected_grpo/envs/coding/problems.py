@@ -128,13 +128,5 @@ def method_source(starter_code: str, body: str) -> str:
     return f"{head}\n{indented}\n"
 
 
-def problems_by_mode(problems: list[Problem] | tuple[Problem, ...]) -> dict[str, list[Problem]]:
-    """Group problems by their mode, every mode present (possibly with an empty list)."""
-    out: dict[str, list[Problem]] = {m: [] for m in MODES}
-    for p in problems:
-        out[p.mode].append(p)
-    return out
-
-
 # Built-in problems: the bank's rows in order, modes assigned round-robin (8 per mode for 48 rows).
 BUILTIN_PROBLEMS: tuple[Problem, ...] = tuple(_builtin(i, row) for i, row in enumerate(BANK))

@@ -35,12 +35,6 @@ def build_messages(problem: Problem, system_prompt: str = SYSTEM_PROMPT) -> list
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": user_prompt(problem)}]
 
 
-def build_chatml(problem: Problem, system_prompt: str = SYSTEM_PROMPT) -> str:
-    """The same conversation as raw ChatML text, ending where the assistant's answer starts."""
-    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-                   for m in build_messages(problem, system_prompt)) + "<|im_start|>assistant\n"
-
-
 def extract_code(text: str) -> str | None:
     """The last complete ```python block of `text`, or None when there is none.
 
