@@ -31,14 +31,10 @@ from projected_grpo.errors import UserError
 SMOKE = Config(env=EnvCfg(max_problems=12), pool=PoolCfg(n_hack=1, n_clean=1),
                proj=ProjCfg(pairs_per_problem=1))
 
-# The embedded organism (organism/build.py's OrganismConfig) on all six loophole modes, calibrated
-# (docs/findings.md has every probe). Pure student GRPO (mix 0): with teacher rows in the groups (the study's
-# mixed pool, DEMO_POOL below) training on the honest reward *lowered* solving (0.41 -> 0.13 at mix 0.5;
-# -2 and +7 points at mix 0.125 and 0.25, +25 at mix 0: findings section 7), so the mixed pool made the
-# positive control fail and every arm lose well-formed answers. The pool still supplies V_hack's (hack,
-# clean) pairs. AdamW with its usual betas, lr 0.1, 300 steps: the organism's hack prior is ~7%, and under
-# `none` one seed in three took 154 steps to pass a 0.3 hack rate, so at 200 steps run_tests rose only +39.0
-# points (3 seeds); at 300, every mode rose +59 or more (findings 1.7). `make demo`: 545 s on 2 cores.
+# The embedded organism (organism/build.py's OrganismConfig) on all six loophole modes. Pure student GRPO
+# (mix 0): teacher rows in the groups made the positive control fail (docs/findings.md 7); the pool still
+# supplies V_hack's (hack, clean) pairs. 300 steps: the budget at which every mode's hack rate rises under
+# `none`, chosen by a rule written down before the run (findings 1.7). Wall time: docs/benchmarks.md.
 DEMO = Config(
     model=ModelCfg(source="organism"),
     rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.0, max_new_tokens=128),
@@ -48,16 +44,13 @@ DEMO = Config(
 )
 
 # The demo as first calibrated (findings sections 1-6): half of each group from the teacher pool (2 hack,
-# 1 clean, 1 buggy template rows per problem, advantage-weighted imitation as originally), 100 steps.
+# 1 clean, 1 buggy template rows per problem, advantage-weighted imitation), 100 steps.
 DEMO_POOL = replace(DEMO, rollout={"mix": 0.5}, run={"steps": 100, "checkpoint_every": 25})
 
 # The maths organism (organism/maths.py) trained honestly: the strict verifier, the arithmetic curriculum
 # (level-1 problems for the first 10 steps, then level 2), greedy held-out accuracy on 200 level-2 problems
-# every 10 steps. Calibrated on 2 shared cores (held-out accuracy from 0.54): SVD knobs (lr 0.05-0.1, betas
-# 0.5/0.9 or 0.9/0.99) plateaued at 0.72-0.79 in 200 steps; LoRA knobs (rank 16) at lr 0.01 reached
-# 0.85-0.89, but with 8 prompts per step one seed in three stayed at 0.64 after a dip to 0.34 (16 prompts:
-# 0.905, no dip); LoRA at lr 0.015-0.02 and SVD at lr 0.2 collapsed (accuracy < 0.2). A train set of 200
-# problems was learnt by heart (train reward 0.92, held-out 0.71): 1000 here.
+# every 10 steps. LoRA knobs at lr 0.01 with 16 prompts per step and 1000 train problems: the calibration
+# that kept every seed rising (the probes: docs/findings.md 3.1).
 MATH_DEMO = Config(
     model=ModelCfg(source="organism", knob="lora"),
     env=EnvCfg(name="maths", problems="arithmetic", modes=("strict",), curriculum_steps=10, eval_size=200,
@@ -90,10 +83,7 @@ FULL = Config(
 
 # SmolLM2-135M-Instruct (`projected-grpo get-model smollm2`; its ChatML template formats every prompt) on
 # the code loophole environment. CPU: a smoke of the mechanics on a real model, one problem per loophole
-# mode, one group of 3 students + 1 teacher row per step. Measured on 2 shared cores, 1 thread:
-# 18.1 / 19.1 / 19.8 s per step (generate ~8.5 s, forward+backward ~10.5 s), 70 s wall for 3 steps with
-# the SVD and V_hack caches warm, peak RSS 4.5 GB. First use adds ~22 s of SVDs (210 modules) and ~40 s
-# of V_hack extraction (6 pairs, peak RSS 8.6 GB). Two prompts per step took 37-46 s per step.
+# mode, one group of 3 students + 1 teacher row per step. Step time and memory: docs/benchmarks.md.
 SMOLLM2_CPU = Config(
     model=ModelCfg(source="hf", path="smollm2"),
     env=EnvCfg(max_problems=6),
@@ -105,7 +95,6 @@ SMOLLM2_CPU = Config(
 
 # GPU: all 48 built-in problems, FAST's group shape and optimiser (uncalibrated for SmolLM2: a starting
 # point), float32 (135M parameters: 0.5 GB; knobs and weights in one dtype, exact merges).
-# Step time not measured yet (no GPU here).
 SMOLLM2_GPU = Config(
     model=ModelCfg(source="hf", path="smollm2", device="cuda"),
     rollout=RolloutCfg(prompts_per_step=8, group_size=8, mix=0.125, max_new_tokens=256),
