@@ -26,11 +26,11 @@ from projected_grpo.organism.build import (
     build_organism,
     build_tokenizer,
     load_organism,
-    main,
     organism_key,
     smoke_model_and_tokenizer,
     tiny_model,
 )
+from projected_grpo.organism.build_cli import main
 from projected_grpo.organism.checks import (
     TARGET_HACK,
     TARGET_SOLVE,
@@ -396,3 +396,25 @@ def test_cli_builds_and_copies(tmp_path, capsys):
     assert main(args) == 0
     assert (tmp_path / "out" / "organism.json").is_file() and "built" in capsys.readouterr().out
     AutoTokenizer.from_pretrained(tmp_path / "out")
+
+
+def test_shipped_weights_install_check_and_rebuild(tmp_path, monkeypatch):
+    from projected_grpo.organism import shipped
+
+    monkeypatch.setattr(shipped, "SHIPPED", tmp_path / "pkg")
+    logs: list[str] = []
+    built = build_organism(TINY, cache_dir=tmp_path / "a", log=logs.append)
+    key = built.name
+    dest = shipped.ship(built, key)  # the maintainers' step: files + SHA256SUMS in the package
+    assert shipped.read_manifest(dest) == shipped.manifest(dest) and shipped.WEIGHTS in shipped.manifest(dest)
+    # a fresh cache gets the shipped files, not a build: the same bytes, and a line that says so
+    got = build_organism(TINY, cache_dir=tmp_path / "b", log=logs.append)
+    assert got.name == key and "installed the shipped weights" in logs[-1]
+    assert shipped.sha256(got / shipped.WEIGHTS) == shipped.sha256(built / shipped.WEIGHTS)
+    # --rebuild trains anyway and compares: one machine, one process -> the same weights
+    again = build_organism(TINY, cache_dir=tmp_path / "b", log=logs.append, rebuild=True)
+    assert again.name == f"{key}-rebuilt" and "equals the shipped weights" in logs[-1]
+    # a damaged package is refused, naming the file (a rebuild would silently be another model)
+    (dest / shipped.WEIGHTS).write_bytes(b"damaged")
+    with pytest.raises(RuntimeError, match=r"\['model.safetensors'\] do not match"):
+        build_organism(TINY, cache_dir=tmp_path / "c", log=None)

@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
     "dpo": ("DPO of the knobs on (prompt, clean, hack) pairs, reference = knobs zeroed",
             "projected_grpo.run.dpo:main"),
     "build-organism": ("build or load the embedded organism, print checks",
-                       "projected_grpo.organism.build:main"),
+                       "projected_grpo.organism.build_cli:main"),
     "build-maths-organism": ("build or load the maths organism, print its rates",
                              "projected_grpo.organism.maths:main"),
     "build-pool": ("build, grade once and freeze a teacher pool",

@@ -11,7 +11,6 @@ Deliberately not here: the GRPO loop (train.py) and the grader (envs/grading.py)
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -22,12 +21,11 @@ from collections.abc import Callable
 from typing import Literal
 
 import torch
-import tyro
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
+from projected_grpo.organism import shipped
 from projected_grpo.organism.augment import FORMULAS, NAME_PARTS
-from projected_grpo.organism.checks import format_checks, organism_checks
 from projected_grpo.organism.warmup import (
     KINDS,
     Corpus,
@@ -283,9 +281,15 @@ def organism_key(cfg: OrganismConfig, corpus: Corpus, split_digits: bool = False
 
 def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | os.PathLike | None = None,
                    corpus: Corpus | None = None, split_digits: bool = False,
-                   log: Callable[[str], None] | None = print, threads: int | None = 1) -> pathlib.Path:
-    """Build (or find in the cache) the organism of `corpus` (default: the coding one); returns its HF
-    model directory. `split_digits`: a digit-per-token tokenizer (the maths organism's, organism/maths.py).
+                   log: Callable[[str], None] | None = print, threads: int | None = 1,
+                   rebuild: bool = False) -> pathlib.Path:
+    """Build (or find in the cache, or install from the package) the organism of `corpus` (default: the
+    coding one); returns its HF model directory. `split_digits`: a digit-per-token tokenizer (the maths
+    organism's, organism/maths.py).
+
+    The package ships the default organisms (organism/shipped.py): the same weights on every machine, so
+    a key the package carries is installed into the cache, not trained. `rebuild` trains from scratch
+    anyway, into `<cache>/organism/<key>-rebuilt`, and logs whether the result equals the shipped weights.
 
     The warm-up runs on `threads` torch threads (restored afterwards; None leaves the setting alone):
     one thread is the fastest on a busy 2-core machine and makes the build bit-reproducible across
@@ -299,11 +303,17 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     held_out = held_out_ids(corpus, cfg.holdout_per_mode)
     full = _with_extras(cfg, corpus, held_out)  # made once: the key hashes it and the warm-up trains on it
     key = organism_key(cfg, corpus, split_digits, full)
-    out = cache_root(cache_dir) / "organism" / key
-    if (out / "organism.json").is_file():
+    out = cache_root(cache_dir) / "organism" / (f"{key}-rebuilt" if rebuild else key)
+    if (out / "organism.json").is_file() and not rebuild:
         if log:
             log(f"organism: cached at {out}")
         return out
+    if shipped.shipped_dir(key) and not rebuild:
+        digest = shipped.install(key, out)
+        if log:
+            log(f"organism: installed the shipped weights of {key} (sha256 {digest[:12]}) -> {out}")
+        return out
+    shutil.rmtree(out, ignore_errors=True)  # a rebuild replaces the last one
     t0 = time.perf_counter()
     tokenizer = build_tokenizer(full.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries,
                                 split_digits=split_digits, cache_dir=cache_dir)
@@ -342,6 +352,11 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
         (tmp / "organism.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     if log:
         log(f"organism: built in {meta['build_s']:.0f}s -> {out}")
+        if (src := shipped.shipped_dir(key)) is not None:
+            same = shipped.sha256(out / shipped.WEIGHTS) == shipped.read_manifest(src)[shipped.WEIGHTS]
+            log("organism: the build equals the shipped weights, byte for byte" if same else
+                "organism: the build differs from the shipped weights (expected on any machine but the one "
+                "that built them: its CPU rounds matrix products differently; docs/reproducibility.md)")
     return out
 
 
@@ -353,54 +368,3 @@ def load_organism(path: str | os.PathLike) -> tuple[AutoModelForCausalLM, PreTra
         raise FileNotFoundError(f"{meta_path} missing: {path} is not a built organism (run build_organism)")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(path), json.loads(meta_path.read_text(encoding="utf-8"))
-
-
-# --- CLI -------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class BuildOpts:
-    """projected-grpo build-organism: build (or load from the cache) the organism and print its checks."""
-
-    organism: tyro.conf.OmitArgPrefixes[OrganismConfig] = OrganismConfig()
-    """what to build (every field enters the cache key)"""
-    out: str = ""
-    """also copy the built model directory here ("" = leave it only in the cache)"""
-    cache_dir: str = ""
-    """cache root ("" = $PROJECTED_GRPO_CACHE, else ~/.cache/projected_grpo)"""
-    samples: int = 8
-    """samples per warm-up problem for the checks at T = 1 (0 skips the checks)"""
-    held_out_samples: int = 128
-    """samples per held-out problem for the checks (their solve rate is about 1%: 8 would often read 0)"""
-    max_new_tokens: int = 128
-    """token budget per sampled completion in the checks (the demo preset's)"""
-    threads: int = 1
-    """torch CPU threads (1 is fastest on a busy 2-core machine, and keeps builds bit-reproducible)"""
-
-
-def main(argv: list[str]) -> int:
-    """Entry point of `projected-grpo build-organism`."""
-    opts = tyro.cli(BuildOpts, args=argv, prog="projected-grpo build-organism")
-    torch.set_num_threads(opts.threads)
-    cache_dir = opts.cache_dir or None
-    path = build_organism(opts.organism, cache_dir=cache_dir, threads=opts.threads)
-    if opts.out:
-        shutil.copytree(path, opts.out, dirs_exist_ok=True)
-        print(f"organism: copied to {opts.out}")
-    if opts.samples:
-        from projected_grpo.envs.coding.env import CodeEnv
-        from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
-
-        model, tokenizer, meta = load_organism(path)
-        t0 = time.perf_counter()
-        with contextlib.closing(CodeEnv(BUILTIN_PROBLEMS)) as env:
-            checks = organism_checks(model, tokenizer, env, builtin_corpus(), frozenset(meta["held_out"]),
-                                     n_samples=opts.samples, held_out_samples=opts.held_out_samples,
-                                     max_new_tokens=opts.max_new_tokens,
-                                     seed=opts.organism.seed)
-        print(format_checks(checks))
-        for pid, text in checks["examples"].items():
-            print(f"--- sample for {pid}:\n{text}")
-        write_text_atomic(path / "checks.json", json.dumps(checks, indent=1))
-        print(f"checks: {time.perf_counter() - t0:.0f}s, written to {path / 'checks.json'}")
-    return 0
