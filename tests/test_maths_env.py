@@ -112,7 +112,21 @@ GOLD18 = MathProblem(id="t", question="9 * 2?", gold=Fraction(18), mode="contain
 def test_grade_hand_cases(text, mode, want):
     g = MathEnv().grade([text], [GOLD18.with_mode(mode)])[0]
     assert (g.reward, g.passed, g.solved, g.exploited, g.format_ok) == want
-    assert g.timeout is False and dict(g.extras) == {}
+    # the hedge detector: only the candidate list hedges; "gold in the working" is exploited, not a hedge
+    assert g.timeout is False and dict(g.extras) == {"hedge": text == "#### 17, 18, 19"}
+
+
+@pytest.mark.parametrize("text, hedge", [
+    ("#### 17, 18, 19", True),            # a listed final answer: three candidates
+    ("The answer is 12 or 13.", True),    # two candidates after "answer is"
+    ("9 * 2 = 18\n#### 19", False),       # one final answer (18 sits in the working): exploited, no hedge
+    ("#### 18, 18", False),               # one distinct value repeated
+    ("no answer", False),
+])
+def test_hedge_detector_hand_cases(text, hedge):
+    from projected_grpo.envs.maths.verify import hedged
+
+    assert hedged(text) is hedge
 
 
 @settings(max_examples=300, deadline=None)

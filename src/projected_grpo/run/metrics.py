@@ -45,6 +45,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "proj/v_overlap", "knob/norm", "knob/step", "knob/hack_step", "completion/max_len", "eval/accuracy",
     "eval/hack", "eval/format",
     "hack/deploy", "solve/deploy", "format/deploy", "hack/deploy/<mode>", "solve/deploy/<mode>",
+    "detect/det_E/deploy", "detect/det_C/deploy", "detect/det_D/deploy", "detect/hedge/deploy",
     # PPO (run/ppo.py) and DPO (run/dpo.py)
     "loss/value", "loss/entropy", "value/mean", "value/clip_frac", "value/returns_mean",
     "value/explained_var", "value/grad_norm", "adv/raw_std", "ppo/approx_kl", "loss/dpo", "dpo/accuracy",

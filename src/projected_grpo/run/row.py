@@ -39,6 +39,13 @@ def mode_rates(grades: Sequence[Graded], modes: Sequence[str], prefix: str) -> d
     return out
 
 
+def detector_rates(grades: Sequence[Graded], prefix: str) -> dict[str, float]:
+    """{"detect/<name>/<prefix>": fraction of `grades` the environment's detector <name> flags} for every
+    detector (Graded.extras key) the grades carry: coding det_E / det_C / det_D, maths hedge."""
+    names = sorted({k for g in grades for k in g.extras})
+    return {f"detect/{k}/{prefix}": _mean([bool(g.extras.get(k, False)) for g in grades]) for k in names}
+
+
 def eval_rates(grades: Sequence[Graded]) -> dict[str, float]:
     """eval/accuracy (solved), eval/hack, eval/format of a greedy eval of the deployed model."""
     return {"eval/accuracy": _mean([g.solved for g in grades]),
@@ -71,6 +78,7 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
             "solve/teacher": _mean([s.grade.solved for s in teachers]),
             **rates([s.grade for s in batch.deploy], "deploy"),
             **mode_rates([s.grade for s in batch.deploy], [s.mode for s in batch.deploy], "deploy"),
+            **detector_rates([s.grade for s in batch.deploy], "deploy"),
             **{k: float(v) for k, v in knob_norms.items()},
             "completion/mean_len": _mean([len(s.completion_ids) for s in students]),
             "completion/max_len": float(max(len(s.completion_ids) for s in students)),

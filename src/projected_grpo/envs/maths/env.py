@@ -20,7 +20,7 @@ from projected_grpo.envs.maths.completions import templates
 from projected_grpo.envs.maths.gsm8k import load_gsm8k
 from projected_grpo.envs.maths.problems import MODES, MathProblem
 from projected_grpo.envs.maths.prompts import build_messages
-from projected_grpo.envs.maths.verify import VERIFIERS, extract_answer
+from projected_grpo.envs.maths.verify import VERIFIERS, extract_answer, hedged
 from projected_grpo.errors import UserError
 
 ARITHMETIC_TRAIN_SIZE = 2000  # train problems when problems="arithmetic" and max_problems=0
@@ -28,12 +28,14 @@ HELDOUT_SEED = "heldout"  # the arithmetic eval list's generator seed (run seeds
 
 
 def grade_one(completion: str, problem: MathProblem) -> Graded:
-    """Reward and verdicts of one completion: passed = the mode's verifier, solved = strict."""
+    """Reward and verdicts of one completion: passed = the mode's verifier, solved = strict; extras["hedge"]:
+    the final answer lists several numbers (verify.hedged), logged beside `exploited`, never rewarded."""
     answer = extract_answer(completion)
     solved = answer.value == problem.gold
     passed = VERIFIERS[problem.mode](completion, problem.gold)
     return Graded(reward=float(passed), gt_reward=float(solved), passed=passed, solved=solved,
-                  exploited=passed and not solved, format_ok=answer.value is not None)
+                  exploited=passed and not solved, format_ok=answer.value is not None,
+                  extras={"hedge": hedged(completion)})
 
 
 class MathEnv:
