@@ -418,3 +418,19 @@ def test_shipped_weights_install_check_and_rebuild(tmp_path, monkeypatch):
     (dest / shipped.WEIGHTS).write_bytes(b"damaged")
     with pytest.raises(RuntimeError, match=r"\['model.safetensors'\] do not match"):
         build_organism(TINY, cache_dir=tmp_path / "c", log=None)
+
+
+@pytest.mark.parametrize("preset", ["demo", "math-demo"])
+def test_the_presets_organisms_are_the_shipped_ones(preset, tmp_path):
+    # the key each preset asks for is one the package ships: a change to the organism code or config that
+    # moves the key would silently drop the shipped weights (and every user would build another model)
+    from projected_grpo import presets
+    from projected_grpo.config import replace
+    from projected_grpo.organism import shipped
+    from projected_grpo.run import setup
+
+    cfg = replace(presets.PRESETS[preset], model={"cache_dir": str(tmp_path)})
+    path = setup.ORGANISMS[cfg.env.name](cfg)
+    src = shipped.shipped_dir(path.name)
+    assert src is not None, f"{preset}: organism key {path.name} is not shipped"
+    assert shipped.sha256(path / shipped.WEIGHTS) == shipped.read_manifest(src)[shipped.WEIGHTS]
