@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from projected_grpo.config_algos import DPOCfg, PPOCfg
+from projected_grpo.config_monitor import MonitorCfg
 from projected_grpo.configio import check_literals as _check
 from projected_grpo.configio import check_positive as _positive
 from projected_grpo.errors import UserError
@@ -228,8 +229,10 @@ class LossCfg:
 
 @dataclass(frozen=True)
 class ProjCfg:
-    arm: Literal["none", "erase", "route"] = "none"
-    """`none` measure only, `erase` remove the hack-ward part, `route` erase and move it to the quarantine"""
+    arm: Literal["none", "erase", "route", "erase_bounded"] = "none"
+    """`none` measure only, `erase` remove the hack-ward part, `route` erase and move it to the quarantine,
+    `erase_bounded` erase, and clamp the knob's V-coefficients at their start after every step (no drift
+    along V: knobs/projection.bound_drift)"""
     gate: Literal["one_sided", "no_gate", "reverse"] = "one_sided"
     """coefficient on V: relu(c) (one_sided), c (no_gate), 2c (reverse)"""
     target: Literal["grad", "update", "both"] = "grad"
@@ -340,6 +343,9 @@ class Config:
     """advantages, clip surrogate, KL, teacher handling, zero-variance groups"""
     proj: ProjCfg = field(default_factory=ProjCfg)
     """hack direction and projection arm"""
+    monitor: MonitorCfg = field(default_factory=MonitorCfg)
+    """a monitor of each rollout and the intervention acting on it (penalty, screen, advantage, inoculation;
+    config_monitor.py)"""
     optim: OptimCfg = field(default_factory=OptimCfg)
     """AdamW, warmup + cosine, clipping"""
     run: RunCfg = field(default_factory=RunCfg)
