@@ -14,7 +14,8 @@ monitor or intervention that needs one the environment lacks is refused in one l
                      acceptable); evaluation and the deployed model keep messages(problem)
   probe_problems()   problems none of whose prompts the run trains on: the probe monitor's labelled
                      completions are their templates
-  detectors          names of the hack detectors its grades carry in extras as det_<name> (the detector monitor)
+  detectors          names of the hack detectors its grades carry in extras as det_<name> (the detector
+                     monitor)
   ground_truth       False when `solved` / `exploited` carry no ground truth (the oracle monitors refuse it)
 Every problem has `.id` (unique) and `.mode` (its loophole: the foolable mechanism that grades it).
 `Graded` is the one shape a graded completion has everywhere (rollout batch, pool row, metrics); a hack is
@@ -148,7 +149,7 @@ class RewardFnEnv:
     name = "reward_fn"
     modes = ("reward_fn",)
     curriculum_steps = 0
-    ground_truth = False  # solved and exploited are always False: there is nothing for an oracle monitor to read
+    ground_truth = False  # solved and exploited are always False: nothing for an oracle monitor to read
 
     def __init__(self, fn: Callable, rows: Sequence[PromptRow], system_prompt: str = ""):
         if not rows:
