@@ -163,8 +163,8 @@ def test_ray_sweep_equals_the_local_backend_and_resumes_only_missing_runs(tmp_pa
 def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
     out = tmp_path / "study"
     argv = ["--preset", "smoke", "--seeds", "1", "--out", str(out), "--lomo-modes", "sentinel", "--lomo-arms",
-            "none,erase", "--interventions", "penalty:ground_truth,inoculation", "--proj.pairs-per-problem", "2",
-            "--run.steps", "1", *SMALL[2:]]
+            "none,erase", "--interventions", "penalty:ground_truth,inoculation", "--proj.pairs-per-problem",
+            "2", "--run.steps", "1", *SMALL[2:]]
     assert preregistered.main(argv) == 0
     printed = capsys.readouterr().out
     md = (out / "report.md").read_text()
@@ -189,7 +189,8 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
 def test_study_without_teacher_rows_trains_equal_configs_once_and_folds_borrow_none(tmp_path, capsys):
     out = tmp_path / "study"
     argv = ["--preset", "smoke", "--rollout.mix", "0", "--seeds", "1", "--out", str(out), "--arms",
-            "none,erase,no_pool", "--lomo-modes", "sentinel", "--interventions", "", "--proj.pairs-per-problem", "2",
+            "none,erase,no_pool", "--lomo-modes", "sentinel", "--interventions", "", "--proj.pairs-per-problem",
+            "2",
             "--run.steps", "1", *SMALL[2:]]
     assert preregistered.main(argv) == 0
     md = (out / "report.md").read_text()
