@@ -189,9 +189,8 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
 def test_study_without_teacher_rows_trains_equal_configs_once_and_folds_borrow_none(tmp_path, capsys):
     out = tmp_path / "study"
     argv = ["--preset", "smoke", "--rollout.mix", "0", "--seeds", "1", "--out", str(out), "--arms",
-            "none,erase,no_pool", "--lomo-modes", "sentinel", "--interventions", "", "--proj.pairs-per-problem",
-            "2",
-            "--run.steps", "1", *SMALL[2:]]
+            "none,erase,no_pool", "--lomo-modes", "sentinel", "--interventions", "",
+            "--proj.pairs-per-problem", "2", "--run.steps", "1", *SMALL[2:]]
     assert preregistered.main(argv) == 0
     md = (out / "report.md").read_text()
     # 2 runs in main (no_pool is none's config at mix 0) + erase and random_V in the fold
