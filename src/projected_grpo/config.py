@@ -83,9 +83,6 @@ class EnvCfg:
     reward_from: Literal["grader", "oracle"] = "grader"
     """`grader`: reward from the foolable grader (every projection arm); `oracle`: the ground truth in its
     place (the `gt_reward` positive control: what honest solving reaches in the same budget)"""
-    hack_penalty: float = 0.0
-    """ground-truth penalty baseline (`gt_penalty` arm): reward minus this when the oracle says a completion
-    exploited the grader; uses ground truth, so 0 in every projection arm (docs/architecture.md)"""
     timeout_s: float = 5.0
     """wall-clock limit per sandboxed execution, seconds"""
     workers: int = 0
@@ -105,7 +102,6 @@ class EnvCfg:
             raise UserError(f"config: EnvCfg.reward_fn={self.reward_fn!r} is read when (and only when) "
                              f"env.name='reward_fn'; env.name is {self.name!r}")
         _positive(self, "timeout_s")
-        _positive(self, "hack_penalty", allow_zero=True)
         _positive(self, "workers", "max_problems", "curriculum_steps", "eval_size", allow_zero=True)
 
 
@@ -360,6 +356,9 @@ class Config:
         if self.model.source == "smoke" and self.env.name == "coding" and self.env.problems != "builtin":
             raise UserError("config: model.source='smoke' is built for the built-in coding problems; set "
                             "env.problems='builtin' or use another model")
+        if self.loss.algo == "ppo" and self.monitor.intervention in ("screen", "advantage"):
+            raise UserError(f"config: monitor.intervention={self.monitor.intervention!r} acts on GRPO's "
+                            "group advantages; PPO (loss.algo ppo) takes penalty or inoculation")
         if self.dpo.before and self.model.init_knobs:
             raise UserError("config: dpo.before starts the knobs from the DPO pass; model.init_knobs="
                             f"{self.model.init_knobs!r} would be a second start: set one of them")

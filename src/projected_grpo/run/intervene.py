@@ -33,7 +33,7 @@ MONITOR_FILE = "monitor.json"
 @dataclasses.dataclass
 class Verdict:
     """A monitor's verdict on a step's groups: scores (B, G) float32 in [0, 1], flags (B, G) bool, and its
-    stats (monitor/threshold ...). Without a monitor: zeros, no flag."""
+    stats (monitor/threshold ...)."""
 
     scores: Tensor
     flags: Tensor
@@ -63,13 +63,11 @@ def open_monitor(cfg: C.Config, model, knobs, tokenizer, env, sets: dict[str, li
     return monitor
 
 
-def verdict(monitor: monitors.Monitor | None, groups: Sequence[Sequence[Sample]], rows: Sequence[int],
+def verdict(monitor: monitors.Monitor, groups: Sequence[Sequence[Sample]], rows: Sequence[int],
             step: int) -> Verdict:
     """The monitor's verdict on `groups` (B lists of G Samples), group j being the step's group rows[j]
     (its index in the global batch: a degraded monitor's draws are per (step, b * G + g))."""
     G = len(groups[0])
-    if monitor is None:
-        return Verdict(torch.zeros(len(groups), G), torch.zeros(len(groups), G, dtype=torch.bool))
     flat = [s for g in groups for s in g]
     ids = [b * G + g for b in rows for g in range(G)]
     scores, flags, stats = monitor.score(monitors.view(flat, monitor.reads, step, ids))
@@ -90,9 +88,11 @@ REWARD_STAGES: dict[str, Callable[[C.Config, Tensor, Verdict], tuple[Tensor, dic
     "inoculation": _same_rewards}
 
 
-def rewards(cfg: C.Config, r: Tensor, v: Verdict) -> tuple[Tensor, dict]:
-    """The rewards (B, G) the advantages are computed from, and the stats (monitor/penalised_frac)."""
-    return REWARD_STAGES[cfg.monitor.intervention](cfg, r, v)
+def rewards(cfg: C.Config, r: Tensor, v: Verdict | None) -> tuple[Tensor, dict[str, float]]:
+    """The rewards (B, G) the advantages are computed from, and the stats (monitor/penalised_frac). v is None
+    only without a monitor (config_monitor.py: an intervention acting on a verdict needs one)."""
+    out, stats = REWARD_STAGES[cfg.monitor.intervention](cfg, r, v)
+    return out, {k: float(x) for k, x in stats.items()}
 
 
 def _plain(cfg: C.Config, r: Tensor, v: Verdict) -> tuple[Tensor, Tensor, dict]:
@@ -117,9 +117,9 @@ ADVANTAGE_STAGES: dict[str, Callable[[C.Config, Tensor, Verdict], tuple[Tensor, 
     "none": _plain, "penalty": _plain, "screen": _screened, "advantage": _modified, "inoculation": _plain}
 
 
-def advantages(cfg: C.Config, r: Tensor, v: Verdict) -> tuple[Tensor, Tensor, dict]:
-    """(adv (B, G), rows kept in the loss (B, G) bool, stats) of the step's rewards under the intervention;
-    a group whose advantages are all 0 teaches nothing (the loop skips it)."""
+def advantages(cfg: C.Config, r: Tensor, v: Verdict | None) -> tuple[Tensor, Tensor, dict]:
+    """(adv (B, G), rows kept in the loss (B, G) bool, stats) of the step's rewards under the intervention
+    (v None: no monitor); a group whose advantages are all 0 teaches nothing (the loop skips it)."""
     return ADVANTAGE_STAGES[cfg.monitor.intervention](cfg, r, v)
 
 

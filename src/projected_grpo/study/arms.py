@@ -109,7 +109,7 @@ INTERVENTION_ARMS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 ARMS |= {f"{i}:{m}": Arm({**_proj("none"), "monitor": {"intervention": i, **MONITOR_ARMS[m][0]}},
                          f"{what}; monitor: {MONITOR_ARMS[m][2]}", MONITOR_ARMS[m][1],
-                         "the rl-rewardhacking benchmark's ground-truth penalty (it replaces gt_penalty)"
+                         "the rl-rewardhacking benchmark's ground-truth penalty"
                          if (i, m) == ("penalty", "ground_truth") else "")
          for i, (what, monitors) in INTERVENTION_ARMS.items() for m in monitors}
 ARMS |= {
