@@ -18,6 +18,7 @@ Not here: advantages, losses, the optimizer (train.py).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -40,12 +41,13 @@ class Batch:
              intervention's reward stage (run/intervene.py: `penalty` lowers the monitor's flagged rows).
     zero     (B,) bool: the group's rewards have no spread (no signal; skipped by the loss).
     deploy   the deployed model's Samples on this step's prompts, len B * G_s (the students themselves
-             unless the quarantine knob is non-zero). stage: the problem set drawn from.
+             unless the quarantine knob is non-zero or the students sample under an inoculation prompt).
+             stage: the problem set drawn from.
     resampled / tries: zero-variance groups resampled and resampling rounds. clock: seconds spent in
-    "generate" and "grade" (deploy view included). shard: the groups this rank trains on under torchrun
-    (None: all, one process); the other fields hold every rank's groups (merge). verdict: the monitor's
-    scores and flags of every group (None without a monitor); monitor_stats: the reward stage's and the
-    monitor's own stats.
+    "generate" and "grade" (deploy view included) and "monitor" (scoring the groups). shard: the groups
+    this rank trains on under torchrun (None: all, one process); the other fields hold every rank's groups
+    (merge). verdict: the monitor's scores and flags of every group (None without a monitor);
+    monitor_stats: the reward stage's and the monitor's own stats.
     """
 
     step: int
@@ -186,7 +188,9 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
             # penalty on the ground_truth / degraded monitors' flags), never a projection arm's (the no-cheat
             # rule, docs/architecture.md)
             rewards = torch.tensor([[reward_of(s) for s in g] for g in groups])  # (B, G) float32: this rank's
+            t0 = time.perf_counter()
             verdict = None if monitor is None else intervene.verdict(monitor, groups, mine, step)
+            clock["monitor"] = clock.get("monitor", 0.0) + time.perf_counter() - t0
             rewards, reward_stats = intervene.rewards(cfg, rewards, verdict)
             zero = zero_variance_mask(rewards)  # (B,)
             todo = [j for j in range(len(mine)) if zero[j]]

@@ -94,4 +94,5 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
     row |= batch.monitor_stats  # the intervention's reward stage and the monitor's own stats
     if batch.verdict is not None:  # the monitor against the oracle on the step's student rows (logged only)
         row |= intervene.rates(batch.groups, batch.verdict)
+        row["time/monitor"] = batch.clock.get("monitor", 0.0)
     return row
