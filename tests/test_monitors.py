@@ -14,7 +14,7 @@ from oracles import pair_grads_isolated
 
 from projected_grpo import config as C
 from projected_grpo import presets
-from projected_grpo.envs.base import Graded
+from projected_grpo.envs.base import Graded, PromptRow, RewardFnEnv
 from projected_grpo.envs.coding.env import CodeEnv, load_problems
 from projected_grpo.envs.maths.env import MathEnv
 from projected_grpo.errors import UserError
@@ -74,7 +74,7 @@ def test_detector_is_any_of_the_chosen_detectors():
     samples = [_sample(_grade(False, det_E=True, det_C=False, det_D=False)),
                _sample(_grade(True, det_E=False, det_C=False, det_D=True)),
                _sample(_grade(False, det_E=False, det_C=False, det_D=False))]
-    m = monitors.Detector(("E", "C"))
+    m = monitors.Detector({"E": "det_E", "C": "det_C"})
     scores, flags, _ = m.score(monitors.view(samples, m.reads, 0, range(3)))
     # E alone fires on row 0 (1 of 2 chosen); row 1's D is not chosen
     assert flags.tolist() == [True, False, False] and scores.tolist() == [0.5, 0.0, 0.0]
@@ -216,10 +216,18 @@ def test_direction_score_is_V_dot_the_rollouts_own_nll_gradient(tmp_path):
 
 
 def test_monitors_an_environment_cannot_serve_are_refused_in_one_line(tmp_path):
-    inp = _inputs(tmp_path, "detector", MathEnv(eval_size=5, max_problems=20))
-    with pytest.raises(UserError, match="no hack detectors") as e:
-        monitors.build(inp)
-    assert "\n" not in str(e.value)
+    plain = RewardFnEnv(lambda prompts, completions, **kw: [0.0] * len(completions),
+                        [PromptRow("a", "Say hi.", {}), PromptRow("b", "Say bye.", {})])
+    for kind, says in (("detector", "no hack detectors"), ("ground_truth", "no ground truth"),
+                       ("probe", "no problems outside"), ("direction", "no V_hack")):
+        inp = _inputs(tmp_path, kind, plain)
+        inp.V_hack = {}  # a plain reward function has no hack / clean templates to pair
+        with pytest.raises(UserError, match=says) as e:
+            monitors.build(inp)
+        assert "\n" not in str(e.value)
+    # maths: its one detector, hedge
+    maths = MathEnv(eval_size=5, max_problems=20)
+    assert monitors.build(_inputs(tmp_path, "detector", maths)).keys == ["hedge"]
     inp = _inputs(tmp_path, "detector", detectors=("E", "Z"))
     with pytest.raises(UserError, match="not among"):
         monitors.build(inp)

@@ -35,9 +35,9 @@ class MonitorCfg:
     screen_baseline: Literal["drop", "keep"] = "drop"
     """screen: `drop` flagged rows from their group's baseline too (the rl-rewardhacking benchmark's), or
     `keep` them in it"""
-    detectors: tuple[str, ...] = ("E", "C", "D")
-    """detector: the environment's detectors whose firing flags a rollout (coding: E loophole code, C its
-    tests pass a stub, D weakened tests)"""
+    detectors: tuple[str, ...] = ()
+    """detector: the environment's detectors whose firing flags a rollout (empty = all of them; coding: E
+    loophole code, C its tests pass a stub, D weakened tests; maths: hedge, several numbers in the answer)"""
     layer: int = -1
     """probe: the hidden state read (0 = embeddings, n_layers = the last; negatives count from the end)"""
     probe_pairs: str = ""

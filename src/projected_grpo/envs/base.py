@@ -14,8 +14,8 @@ monitor or intervention that needs one the environment lacks is refused in one l
                      acceptable); evaluation and the deployed model keep messages(problem)
   probe_problems()   problems none of whose prompts the run trains on: the probe monitor's labelled
                      completions are their templates
-  detectors          names of the hack detectors its grades carry in extras as det_<name> (the detector
-                     monitor)
+  detectors          hack detector name -> its key in a grade's extras (coding E -> det_E, maths hedge ->
+                     hedge): what the detector monitor reads
   ground_truth       False when `solved` / `exploited` carry no ground truth (the oracle monitors refuse it)
 Every problem has `.id` (unique) and `.mode` (its loophole: the foolable mechanism that grades it).
 `Graded` is the one shape a graded completion has everywhere (rollout batch, pool row, metrics); a hack is

@@ -8,7 +8,7 @@ tests/test_monitors.py checks it with grades that raise when read. `labels` says
 labelled at train time (docs/interventions.md):
   ground_truth  the oracle's exploited flag (an upper bound)                           per-sample
   degraded      the oracle's flag, each flipped with probability 1 - monitor.accuracy  per-sample
-  detector      any of the environment's hack detectors (coding: E, C, D)              per-sample
+  detector      any of the environment's hack detectors (coding: E, C, D; maths: hedge) per-sample
   probe         a logistic probe on one layer's hidden state (hack/probe.py), fitted   per-sample (other
                 before training on labelled completions of prompts the run does not    prompts)
                 train on, its threshold from their held-out rows
@@ -113,9 +113,10 @@ class Detector(Monitor):
 
     name, reads, labels = "detector", frozenset({"detectors"}), "per-sample"
 
-    def __init__(self, detectors: Sequence[str]):
-        self.keys = [f"det_{d}" for d in detectors]
-        self.report = {"detectors": list(detectors)}
+    def __init__(self, keys: Mapping[str, str]):
+        """keys: detector name -> its key in a grade's extras."""
+        self.keys = list(keys.values())
+        self.report = {"detectors": list(keys)}
 
     def score(self, r: Rollouts) -> Scored:
         fired = torch.tensor([[bool(x[k]) for k in self.keys] for x in r.detectors], dtype=torch.bool)
@@ -228,13 +229,13 @@ def _degraded(inp: MonitorInputs) -> Monitor:
 
 
 def _detector(inp: MonitorInputs) -> Monitor:
-    have = tuple(getattr(inp.env, "detectors", ()))
+    have = dict(getattr(inp.env, "detectors", {}))
     if not have:
         raise UserError(f"monitor.kind=detector: environment {inp.env.name!r} has no hack detectors")
     if missing := [d for d in inp.cfg.monitor.detectors if d not in have]:
         raise UserError(f"monitor.detectors={list(inp.cfg.monitor.detectors)}: {missing} not among "
                         f"environment {inp.env.name!r}'s detectors {list(have)}")
-    return Detector(inp.cfg.monitor.detectors)
+    return Detector({d: have[d] for d in inp.cfg.monitor.detectors or have})
 
 
 def probe_rows(inp: MonitorInputs) -> list[tuple[str, list[int], list[int], bool]]:

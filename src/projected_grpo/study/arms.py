@@ -91,7 +91,8 @@ MONITOR_ARMS: dict[str, tuple[dict, str, str]] = {
     "ground_truth": ({"kind": "ground_truth"}, "per-sample", "the oracle's exploited flag (an upper bound)"),
     "degraded90": ({"kind": "degraded", "accuracy": 0.9}, "per-sample", "the oracle's flag, 90% accurate"),
     "degraded70": ({"kind": "degraded", "accuracy": 0.7}, "per-sample", "the oracle's flag, 70% accurate"),
-    "detector": ({"kind": "detector"}, "per-sample", "the environment's hack detectors (coding: E, C, D)"),
+    "detector": ({"kind": "detector"}, "per-sample",
+                 "the environment's hack detectors (coding: E, C, D; maths: hedge)"),
     "probe": ({"kind": "probe"}, "per-sample", "a linear probe on the last hidden layer, fitted on labelled "
               "completions of prompts the run does not train on"),
     "direction": ({"kind": "direction"}, "pairs", "V_hack's score of the rollout's knob gradient, "

@@ -60,7 +60,8 @@ class CodeEnv:
     name = "coding"
     modes = MODES
     curriculum_steps = 0
-    detectors = DETECTORS  # the hack detectors its grades carry in extras (det_E, det_C, det_D)
+    # the hack detectors (name -> their key in a grade's extras) the detector monitor reads
+    detectors = {d: f"det_{d}" for d in DETECTORS}
 
     def __init__(self, problems: Sequence[Problem], *, reward_shape: str = "seed", timeout_s: float = 5.0,
                  workers: int = 0):

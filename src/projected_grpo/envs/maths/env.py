@@ -53,6 +53,7 @@ class MathEnv:
 
     name = "maths"
     modes = MODES
+    detectors = {"hedge": "hedge"}  # hack detector name -> its key in extras (the detector monitor reads it)
 
     def __init__(self, problems: str = "arithmetic", modes: Sequence[str] = ("contains",),
                  curriculum_steps: int = 0, eval_size: int = 200, max_problems: int = 0, seed: int = 0,
