@@ -96,9 +96,13 @@ def test_best_threshold_and_auc_hand_example():
     s = torch.tensor([0.1, 0.4, 0.35, 0.8])
     y = torch.tensor([False, False, True, True])
     # cuts: 0.1-1, midpoints .225 .375 .6, 0.8+1; at .225: TPR 2/2, TNR 1/2 -> .75; at .375: TPR 1/2 (0.8),
-    # TNR 2/2 -> .75; at .6: 1/2, 2/2 -> .75. The first maximum, the lowest: 0.225.
+    # TNR 2/2 -> .75; at .6: 1/2, 2/2 -> .75. Among the maxima the highest (fewest flags): 0.6.
     t, bacc = probe.best_threshold(s, y)
-    assert t == pytest.approx(0.225) and bacc == pytest.approx(0.75)
+    assert t == pytest.approx(0.6) and bacc == pytest.approx(0.75)
+    # hacks scoring below the clean rows: no cut beats chance (0.5), so the cut above every score: no flag
+    t, bacc = probe.best_threshold(torch.tensor([0.0, 1.0, 2.0, 3.0]),
+                                   torch.tensor([True, True, False, False]))
+    assert t == pytest.approx(4.0) and bacc == pytest.approx(0.5)
     # AUC: positive pairs (0.35 vs .1 yes, vs .4 no), (0.8 vs both yes) -> 3 of 4
     assert probe.auc(s, y) == pytest.approx(0.75)
     assert probe.auc(torch.tensor([1.0, 1.0]), torch.tensor([True, False])) == 0.5  # a tie counts half

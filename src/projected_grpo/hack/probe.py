@@ -94,7 +94,9 @@ def fit_logistic(x: Tensor, y: Tensor, l2: float, iters: int = 100, tol: float =
 def best_threshold(scores: Tensor, labels: Tensor) -> tuple[float, float]:
     """(threshold, balanced accuracy): flag = score > threshold, the cut with the best balanced accuracy
     (mean of the hit rates on each label) over the midpoints between adjacent distinct scores and the two
-    ends; among equals, the lowest. scores (N,), labels (N,) bool with both labels present."""
+    ends; among equals the highest, the one that flags fewest rows: where no cut beats chance (the rows
+    anti-ordered) the monitor flags nothing rather than everything. scores (N,), labels (N,) bool with both
+    labels present."""
     if labels.all() or not labels.any():
         raise ValueError("best_threshold: the rows need both labels")
     s = scores.double()
@@ -104,7 +106,7 @@ def best_threshold(scores: Tensor, labels: Tensor) -> tuple[float, float]:
     tpr = (flags & labels).sum(1) / labels.sum()
     tnr = (~flags & ~labels).sum(1) / (~labels).sum()
     bacc = (tpr + tnr) / 2
-    i = int(torch.argmax(bacc))  # the first maximum: the lowest cut
+    i = int((bacc == bacc.max()).nonzero().max())  # the last maximum: the highest cut
     return float(cuts[i]), float(bacc[i])
 
 
