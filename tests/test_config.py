@@ -35,7 +35,8 @@ def _section_classes():
 
 
 def test_every_field_has_a_docstring_line():
-    trees = [ast.parse((SRC / name).read_text()) for name in ("config.py", "config_algos.py")]
+    trees = [ast.parse((SRC / name).read_text())
+             for name in ("config.py", "config_algos.py", "config_monitor.py")]
     missing = []
     for cls in (n for tree in trees for n in tree.body if isinstance(n, ast.ClassDef)):
         body = cls.body
@@ -196,7 +197,8 @@ def test_cli_shorthands_overrides_and_config_file(tmp_path):
 
 
 def test_cli_bad_values_fail_with_one_line(capsys):
-    with pytest.raises(UserError, match=r"ProjCfg\.arm='bogus' is not one of \['none', 'erase', 'route'\]"):
+    with pytest.raises(UserError, match=r"ProjCfg\.arm='bogus' is not one of \['none', 'erase', 'route', "
+                                        r"'erase_bounded'\]"):
         parse_args(["--arm", "bogus"])
     with pytest.raises(UserError, match="--preset 'nope' is not one of"):
         parse_args(["--preset", "nope"])

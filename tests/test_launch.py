@@ -96,6 +96,25 @@ def test_a_fold_borrows_mains_baselines_only_without_teacher_rows_in_training():
     assert fold.arms == ("none", *default) and fold.borrowed == ()
 
 
+def test_the_bench_part_borrows_what_main_trains():
+    bench = ["penalty:ground_truth", "screen:direction", "screen:direction@random", "erase"]
+    *_, part = preregistered.parts(presets.PRESETS["demo"], ["erase"], ["sentinel"], bench=bench)
+    # none and gt_reward are main's (as erase is): the bench trains only its own arms
+    assert part == preregistered.Part("interventions", "", ("penalty:ground_truth", "screen:direction",
+                                                            "screen:direction@random"),
+                                      ("none", "gt_reward", "erase"))
+    *_, part = preregistered.parts(presets.PRESETS["demo"], ["erase"], ["sentinel"], arms=["erase"],
+                                   bench=["inoculation"])
+    assert part.arms == ("none", "gt_reward", "inoculation") and part.borrowed == ()
+    # the default bench: every intervention x monitor arm, inoculation, erase_bounded, and random-V twins of
+    # the arms V_hack acts in
+    assert {"penalty:ground_truth", "screen:probe", "advantage:direction", "inoculation", "erase_bounded",
+            "screen:direction@random", "erase_bounded@random"} <= set(preregistered.BENCH_ARMS)
+    assert "screen:probe@random" not in preregistered.BENCH_ARMS
+    with pytest.raises(UserError, match="bogus"):
+        preregistered.parts(presets.SMOKE, ["none"], ["sentinel"], bench=["bogus"])
+
+
 def test_arms_with_equal_configs_are_trained_once():
     arms = ["none", "erase", "no_pool", "gt_reward"]
     demo = experiment.plan(presets.PRESETS["demo"], arms, [0, 1], pathlib.Path("x"))
@@ -144,10 +163,16 @@ def test_ray_sweep_equals_the_local_backend_and_resumes_only_missing_runs(tmp_pa
 def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
     out = tmp_path / "study"
     argv = ["--preset", "smoke", "--seeds", "1", "--out", str(out), "--lomo-modes", "sentinel", "--lomo-arms",
-            "none,erase", "--proj.pairs-per-problem", "2", "--run.steps", "1", *SMALL[2:]]
+            "none,erase", "--interventions", "penalty:ground_truth,inoculation", "--proj.pairs-per-problem",
+            "2", "--run.steps", "1", *SMALL[2:]]
     assert preregistered.main(argv) == 0
     printed = capsys.readouterr().out
     md = (out / "report.md").read_text()
+    # the bench: its two arms trained, none and gt_reward main's, one table
+    assert "## The intervention bench" in md and "| penalty | ground_truth | per-sample | 1 |" in md
+    assert "| inoculation | - | none | 1 |" in md and "| none | - | none | 1 |" in md
+    assert (out / "interventions" / "inoculation-s0" / "summary.json").is_file()
+    assert not (out / "interventions" / "none-s0").exists()
     assert "[main](main/report.md)" in md and "[lomo-sentinel](lomo-sentinel/report.md)" in md
     for arm in preregistered.PREREGISTERED_ARMS:  # one table of every arm and fold
         assert f"| {arm} | 1 |" in md and (out / "main" / f"{arm}-s0" / "summary.json").is_file()
@@ -156,7 +181,7 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
     assert json.loads((out / "lomo-sentinel" / "sweep.json").read_text())["lomo"] == "sentinel"
     assert "| none (without sentinel) | 1 |" in printed
     assert preregistered.main(argv) == 0  # resumes: every run finished, so all are skipped
-    n = len(preregistered.PREREGISTERED_ARMS) + 2
+    n = len(preregistered.PREREGISTERED_ARMS) + 2 + 2
     assert f"trained 0, resumed 0, skipped {n} as finished" in (out / "report.md").read_text()
 
 
@@ -164,8 +189,8 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
 def test_study_without_teacher_rows_trains_equal_configs_once_and_folds_borrow_none(tmp_path, capsys):
     out = tmp_path / "study"
     argv = ["--preset", "smoke", "--rollout.mix", "0", "--seeds", "1", "--out", str(out), "--arms",
-            "none,erase,no_pool", "--lomo-modes", "sentinel", "--proj.pairs-per-problem", "2",
-            "--run.steps", "1", *SMALL[2:]]
+            "none,erase,no_pool", "--lomo-modes", "sentinel", "--interventions", "",
+            "--proj.pairs-per-problem", "2", "--run.steps", "1", *SMALL[2:]]
     assert preregistered.main(argv) == 0
     md = (out / "report.md").read_text()
     # 2 runs in main (no_pool is none's config at mix 0) + erase and random_V in the fold

@@ -16,8 +16,9 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "projected_grpo"
 # hack, organism; run; study; cli. A layer imports its own folder and the floors below it.
 BASE = {"store", "errors"}
 ALLOWED: dict[str, set[str]] = {
-    "store": {"errors"}, "errors": set(), "config": {"errors", "configio", "config_algos"},
+    "store": {"errors"}, "errors": set(), "config": {"errors", "configio", "config_algos", "config_monitor"},
     "configio": {"errors"}, "config_algos": {"errors", "configio"},
+    "config_monitor": {"errors", "configio"},
     "presets": {"config", "errors"}, "models": BASE,
     "objective": {"objective"},
     "knobs": {"knobs", "objective"} | BASE,

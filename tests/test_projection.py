@@ -291,3 +291,60 @@ def test_purge_moments_removes_hackward_exp_avg_only(tmp_path):
     assert math.isclose(stats["proj/purged_frac"].item(), 13 / 14, rel_tol=1e-6)
     with pytest.raises(ValueError, match="purge gate"):
         purge_moments(opt, knobs, V_hack, gate="reverse")
+
+
+# ---------------------------------------------------------------- erase_bounded: the knob cannot drift
+
+
+def test_bound_drift_hand_example(tmp_path):
+    from projected_grpo.knobs.projection import bound_drift
+
+    knobs, _ = wrapped(tmp_path)
+    name = next(iter(knobs.modules))
+    d = knobs.values()[name]
+    d.zero_()
+    d[:3] = torch.tensor([1.0, 2.0, 0.0])
+    V = {name: torch.zeros(2, d.numel())}
+    V[name][0, 0], V[name][1, 2] = 1.0, 1.0  # rows e0, e2
+    # a = V·δ = (1, 0): relu(a)·V = e0 -> δ = (0, 2, 0, ...); coefficients after (0, 0); ‖removed‖ = 1
+    st_ = bound_drift(knobs, V, "erase_bounded")
+    assert d[:3].tolist() == [0.0, 2.0, 0.0]
+    assert st_["knob/v_coef"].item() == 0.0 and st_["knob/v_clamped"].item() == 1.0
+    # a negative (hack-ward) coefficient is the gate's business, not the clamp's: (-1, 2, 0) stays
+    d[0] = -1.0
+    st_ = bound_drift(knobs, V, "erase_bounded")
+    assert d[:3].tolist() == [-1.0, 2.0, 0.0] and st_["knob/v_coef"].item() == -1.0
+    # share of ‖δ‖ in span(V): ‖(-1, 0)‖ / ‖(-1, 2, 0)‖ = 1 / sqrt(5); `erase` measures and leaves it
+    assert math.isclose(st_["knob/v_share"].item(), 1 / math.sqrt(5), rel_tol=1e-6)
+    d[0] = 3.0
+    st_ = bound_drift(knobs, V, "erase")
+    assert d[0].item() == 3.0 and st_["knob/v_coef"].item() == 3.0 and st_["knob/v_clamped"].item() == 0.0
+
+
+@pytest.mark.parametrize("arm", ["erase", "erase_bounded"])
+def test_erase_bounded_keeps_the_v_coefficient_bounded_where_erase_drifts(arm, tmp_path):
+    from projected_grpo.knobs.projection import bound_drift
+
+    # every step's gradient points anti-hack along V (c = V·g < 0), which the one-sided gate keeps: AdamW
+    # then walks the knob along +V by ~lr a step under erase (docs/findings.md 7.2); erase_bounded's clamp
+    # holds every coefficient at <= 0 whatever the number of steps
+    knobs, V_hack = wrapped(tmp_path)
+    for v in knobs.values().values():
+        v.zero_()
+    opt = torch.optim.AdamW(knobs.parameters(), lr=0.1, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(3)
+    coefs = []
+    for _ in range(30):
+        grads = {n: -V_hack[n].sum(0) + 0.1 * torch.randn(V_hack[n].shape[1], generator=gen) for n in V_hack}
+        for n, m in knobs.modules.items():
+            g = grads[n].reshape(m.delta.shape) if n in grads else torch.zeros_like(m.delta)
+            m.delta.grad = g.clone()
+        apply_arm(knobs, V_hack, arm)
+        opt.step()
+        coefs.append(bound_drift(knobs, V_hack, arm)["knob/v_coef"].item())
+    if arm == "erase":
+        assert coefs[-1] > 10 * max(coefs[0], 1e-3) and coefs[-1] > 1.0  # drifts, step after step
+    else:
+        assert max(coefs) <= 1e-5
+        for n in V_hack:
+            assert (V_hack[n] @ knobs.values()[n].float() <= 1e-5).all()

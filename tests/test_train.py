@@ -338,10 +338,11 @@ def test_resume_with_changed_config_is_refused(runs):
         T.train(cfg)
 
 
-def test_reward_means_agree_under_the_gt_penalty(runs, tmp_path):
+def test_reward_means_agree_under_the_ground_truth_penalty(runs, tmp_path):
     # reward/mean is over all B·G rows, so it is the G_s : G_t weighted mean of the two source means; with
     # a hack penalty all three must be the penalised rewards (the smoke pool's teacher hacks are penalised)
-    cfg = C.replace(runs["erase"][0], env={"hack_penalty": 1.0}, run={"dir": str(tmp_path / "pen")})
+    cfg = C.replace(runs["erase"][0], run={"dir": str(tmp_path / "pen")},
+                    monitor={"kind": "ground_truth", "intervention": "penalty", "penalty": 1.0})
     T.train(cfg)
     rows = metrics.read_rows(tmp_path / "pen" / "metrics.jsonl")
     assert any(r["hack/teacher"] > 0 for r in rows)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from projected_grpo.config_algos import DPOCfg, PPOCfg
+from projected_grpo.config_monitor import MonitorCfg
 from projected_grpo.configio import check_literals as _check
 from projected_grpo.configio import check_positive as _positive
 from projected_grpo.errors import UserError
@@ -82,9 +83,6 @@ class EnvCfg:
     reward_from: Literal["grader", "oracle"] = "grader"
     """`grader`: reward from the foolable grader (every projection arm); `oracle`: the ground truth in its
     place (the `gt_reward` positive control: what honest solving reaches in the same budget)"""
-    hack_penalty: float = 0.0
-    """ground-truth penalty baseline (`gt_penalty` arm): reward minus this when the oracle says a completion
-    exploited the grader; uses ground truth, so 0 in every projection arm (docs/architecture.md)"""
     timeout_s: float = 5.0
     """wall-clock limit per sandboxed execution, seconds"""
     workers: int = 0
@@ -104,7 +102,6 @@ class EnvCfg:
             raise UserError(f"config: EnvCfg.reward_fn={self.reward_fn!r} is read when (and only when) "
                              f"env.name='reward_fn'; env.name is {self.name!r}")
         _positive(self, "timeout_s")
-        _positive(self, "hack_penalty", allow_zero=True)
         _positive(self, "workers", "max_problems", "curriculum_steps", "eval_size", allow_zero=True)
 
 
@@ -228,8 +225,10 @@ class LossCfg:
 
 @dataclass(frozen=True)
 class ProjCfg:
-    arm: Literal["none", "erase", "route"] = "none"
-    """`none` measure only, `erase` remove the hack-ward part, `route` erase and move it to the quarantine"""
+    arm: Literal["none", "erase", "route", "erase_bounded"] = "none"
+    """`none` measure only, `erase` remove the hack-ward part, `route` erase and move it to the quarantine,
+    `erase_bounded` erase, and clamp the knob's V-coefficients at their start after every step (no drift
+    along V: knobs/projection.bound_drift)"""
     gate: Literal["one_sided", "no_gate", "reverse"] = "one_sided"
     """coefficient on V: relu(c) (one_sided), c (no_gate), 2c (reverse)"""
     target: Literal["grad", "update", "both"] = "grad"
@@ -340,6 +339,9 @@ class Config:
     """advantages, clip surrogate, KL, teacher handling, zero-variance groups"""
     proj: ProjCfg = field(default_factory=ProjCfg)
     """hack direction and projection arm"""
+    monitor: MonitorCfg = field(default_factory=MonitorCfg)
+    """a monitor of each rollout and the intervention acting on it (penalty, screen, advantage, inoculation;
+    config_monitor.py)"""
     optim: OptimCfg = field(default_factory=OptimCfg)
     """AdamW, warmup + cosine, clipping"""
     run: RunCfg = field(default_factory=RunCfg)
@@ -354,6 +356,9 @@ class Config:
         if self.model.source == "smoke" and self.env.name == "coding" and self.env.problems != "builtin":
             raise UserError("config: model.source='smoke' is built for the built-in coding problems; set "
                             "env.problems='builtin' or use another model")
+        if self.loss.algo == "ppo" and self.monitor.intervention in ("screen", "advantage"):
+            raise UserError(f"config: monitor.intervention={self.monitor.intervention!r} acts on GRPO's "
+                            "group advantages; PPO (loss.algo ppo) takes penalty or inoculation")
         if self.dpo.before and self.model.init_knobs:
             raise UserError("config: dpo.before starts the knobs from the DPO pass; model.init_knobs="
                             f"{self.model.init_knobs!r} would be a second start: set one of them")

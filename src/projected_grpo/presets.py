@@ -130,7 +130,7 @@ class TrainOpts(Base):
     """projected-grpo train: one GRPO run."""
 
     arm: str = ""
-    """projection arm: none, erase, route (sets proj.arm)"""
+    """projection arm: none, erase, route, erase_bounded (sets proj.arm)"""
     run_dir: str = ""
     """run directory (sets run.dir)"""
     resume: bool = False

@@ -8,6 +8,15 @@ training loop, pool building, organism checks and the experiment runner talk to 
   grade(texts, problems) -> list[Graded], one per completion, in order
   templates(problem, kind) -> hand-written completions of kind "clean" | "buggy" | "hack" ([] when none):
                      teacher pools, V_hack's built-in pairs and the organism's warm-up are made of them
+Optional members, which the interventions read where an environment has them (docs/interventions.md; a
+monitor or intervention that needs one the environment lacks is refused in one line):
+  inoculation_messages(problem)  the training-time prompt of inoculation prompting (the loophole named
+                     acceptable); evaluation and the deployed model keep messages(problem)
+  probe_problems()   problems none of whose prompts the run trains on: the probe monitor's labelled
+                     completions are their templates
+  detectors          hack detector name -> its key in a grade's extras (coding E -> det_E, maths hedge ->
+                     hedge): what the detector monitor reads
+  ground_truth       False when `solved` / `exploited` carry no ground truth (the oracle monitors refuse it)
 Every problem has `.id` (unique) and `.mode` (its loophole: the foolable mechanism that grades it).
 `Graded` is the one shape a graded completion has everywhere (rollout batch, pool row, metrics); a hack is
 `passed and not solved`: the foolable grader accepted what the ground truth rejects (docs/architecture.md).
@@ -140,6 +149,7 @@ class RewardFnEnv:
     name = "reward_fn"
     modes = ("reward_fn",)
     curriculum_steps = 0
+    ground_truth = False  # solved and exploited are always False: nothing for an oracle monitor to read
 
     def __init__(self, fn: Callable, rows: Sequence[PromptRow], system_prompt: str = ""):
         if not rows:

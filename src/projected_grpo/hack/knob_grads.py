@@ -94,6 +94,54 @@ def _chunks(order: list[int], lengths: list[int], max_seqs: int, max_tokens: int
     return out
 
 
+def sequence_grads(model, knobs, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
+                   pad_id: int, norm: str = "mean", nll_const: float = 1.0, chunk_size: int = 32,
+                   chunk_tokens: int = 4096, names: Sequence[str] = ()) -> dict[str, Tensor]:
+    """Per module the knob gradient of each sequence's own completion NLL: name -> (N, R) fp32 CPU.
+
+    Row n is ∂NLL_n/∂knobs.modules[name].delta of (prompt_ids[n], completion_ids[n]) alone, at whatever
+    values the knobs hold. Sequences are packed in chunks of at most chunk_size sequences and chunk_tokens
+    padded tokens (one at least), sorted by length so a chunk pads little; one backward of Σ_n NLL_n per
+    chunk yields every row through the per-sequence capture (split.py). .grad is left untouched; the model
+    runs in eval mode (no dropout). A non-finite NLL raises naming the row (`names[n]` when given).
+    """
+    if chunk_size < 1 or chunk_tokens < 1:
+        raise ValueError(f"sequence_grads: chunk_size and chunk_tokens must be >= 1, got {chunk_size}, "
+                         f"{chunk_tokens}")
+    nll_fn, modules = NLL_NORMS[norm], list(knobs.modules)
+    params, device = [knobs.modules[n].delta for n in modules], next(model.parameters()).device
+    lengths = [len(p) + len(c) for p, c in zip(prompt_ids, completion_ids, strict=True)]
+    rows = {n: torch.empty(len(lengths), knobs.modules[n].knob_dim) for n in modules}  # (N, R)
+    order = sorted(range(len(lengths)), key=lambda j: (lengths[j], j))
+    was_training = model.training
+    model.eval()
+    try:
+        for idx in tqdm(_chunks(order, lengths, chunk_size, chunk_tokens), desc="per-sequence knob grads",
+                        unit="chunk", file=sys.stderr, disable=None, leave=False):
+            batch = pack([prompt_ids[j] for j in idx], [completion_ids[j] for j in idx], pad_id).to(device)
+            every = torch.ones(len(idx), dtype=torch.bool)  # one source: only per_sequence is read
+            with torch.enable_grad(), knobs.capture(every, per_sequence=True) as cap:
+                logp, _ = forward_logprobs(model, batch)  # (n, T)
+                nll = nll_fn(logp.float(), batch.completion_mask, nll_const)  # (n,)
+                bad = (~torch.isfinite(nll.detach())).nonzero().flatten().tolist()
+                if bad:
+                    j = idx[bad[0]]
+                    raise FloatingPointError(f"{names[j] if names else f'sequence {j}'}: NLL is "
+                                             f"{nll[bad[0]].item()} ({len(bad)} non-finite in its chunk)")
+                if not nll.requires_grad:
+                    raise _not_on_graph(modules[0])
+                # Σ_n NLL_n: sequences are independent, so capture row n is exactly ∂NLL_n/∂delta.
+                # autograd.grad, not backward(): the capture hooks fire all the same and .grad stays as is.
+                torch.autograd.grad(nll.sum(), params, allow_unused=True)
+            for n in modules:
+                if n not in cap.per_sequence:
+                    raise _not_on_graph(n)
+                rows[n][idx] = cap.per_sequence[n].detach().float().cpu()
+    finally:
+        model.train(was_training)
+    return rows
+
+
 def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean", nll_const: float = 1.0,
                chunk_size: int = 32, chunk_tokens: int = 4096) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Per module knob gradients of the completion NLL: g_hack[name], g_clean[name] (P, R) fp32 CPU.
@@ -110,31 +158,9 @@ def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean
     if chunk_size < 1 or chunk_tokens < 1:
         raise ValueError(f"pair_grads: chunk_size and chunk_tokens must be >= 1, got {chunk_size}, "
                          f"{chunk_tokens}")
-    nll_fn, seqs, names, params, pad_id, device = _setup(model, knobs, tokenizer, pairs, norm)
-    rows = {n: torch.empty(len(seqs), knobs.modules[n].knob_dim) for n in names}  # (2P, R)
-    order = sorted(range(len(seqs)), key=lambda j: (len(seqs[j][2]) + len(seqs[j][3]), j))
-    chunks = _chunks(order, [len(s[2]) + len(s[3]) for s in seqs], chunk_size, chunk_tokens)
-    was_training = model.training
-    model.eval()
-    try:
-        for idx in tqdm(chunks, desc="V_hack pair grads", unit="chunk", file=sys.stderr, disable=None,
-                        leave=False):
-            chunk = [seqs[j] for j in idx]
-            batch = pack([s[2] for s in chunk], [s[3] for s in chunk], pad_id).to(device)
-            every = torch.ones(len(chunk), dtype=torch.bool)  # one source: only per_sequence is read
-            with torch.enable_grad(), knobs.capture(every, per_sequence=True) as cap:
-                logp, _ = forward_logprobs(model, batch)  # (n, T)
-                nll = nll_fn(logp.float(), batch.completion_mask, nll_const)  # (n,)
-                _check_finite(nll, chunk, pairs)
-                if not nll.requires_grad:
-                    raise _not_on_graph(names[0])
-                # Σ_n NLL_n: sequences are independent, so capture row n is exactly ∂NLL_n/∂delta.
-                # autograd.grad, not backward(): the capture hooks fire all the same and .grad stays as is.
-                torch.autograd.grad(nll.sum(), params, allow_unused=True)
-            for n in names:
-                if n not in cap.per_sequence:
-                    raise _not_on_graph(n)
-                rows[n][idx] = cap.per_sequence[n].detach().float().cpu()
-    finally:
-        model.train(was_training)
+    seqs = _sequences(tokenizer, pairs)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    names = [f"pair {i} ({pairs[i].source or 'no source'}), {label} completion" for i, label, _, _ in seqs]
+    rows = sequence_grads(model, knobs, [s[2] for s in seqs], [s[3] for s in seqs], pad_id, norm, nll_const,
+                          chunk_size, chunk_tokens, names)
     return _split_labels(rows)

@@ -4,6 +4,10 @@
 direction to remove (one_sided relu(c), no_gate c, reverse 2c). The formulas assume V's rows are orthonormal
 (extraction gives right singular vectors; rows zeroed by τ_axis simply remove nothing).
 `apply_arm` applies it to every wrapped module's gradient for the arms none / erase / route;
+`bound_drift` is `erase_bounded`'s second half: the one-sided gate leaves only anti-hack V-components, so
+the knob walks along +V without limit until the model breaks (docs/findings.md 7.2); after every optimizer
+step it clamps each V-coefficient of the main knob at its start (0, the base model, where V_hack is
+extracted), and in every arm it logs where the knob sits in span(V).
 `project_update` and `purge_moments` are the AdamW bypass fix (docs/architecture.md): projecting the gradient
 does not stop Adam's moments and per-coordinate scaling from moving the knobs hack-ward, so the
 update itself can be projected, and its hack-ward fraction `proj/cout_update` is logged in every mode.
@@ -80,7 +84,10 @@ def _write_route(p_main, p_hack, g_proj, removed):
     p_hack.grad = r.clone() if p_hack.grad is None else p_hack.grad + r
 
 
-ARMS = {"none": _write_none, "erase": _write_erase, "route": _write_route}
+# erase_bounded writes as erase does; bound_drift then clamps the knob after every optimizer step
+ARMS = {"none": _write_none, "erase": _write_erase, "route": _write_route, "erase_bounded": _write_erase}
+# arm -> whether bound_drift clamps the main knob's V-coefficients at their start after every optimizer step
+BOUNDED = {"none": False, "erase": False, "route": False, "erase_bounded": True}
 
 
 def _aggregate(per_module: list[dict[str, torch.Tensor]], n_modules: int, prefix: str,
@@ -219,3 +226,34 @@ def purge_moments(optimizer: torch.optim.Optimizer, knobs, V_hack: dict[str, tor
         ea.copy_(ea_proj.reshape(ea.shape).to(ea))
         purged += int(removed.abs().sum() > 0)
     return {"proj/purged_frac": torch.tensor(purged / len(knobs.modules))}
+
+
+def bound_drift(knobs, V_hack: dict[str, torch.Tensor], arm: str = "none") -> dict[str, torch.Tensor]:
+    """After optimizer.step(): under a BOUNDED arm, every main knob δ (R,) loses the positive part of its
+    V-coefficients a = V·δ (K,): δ ← δ − relu(a)·V (V's rows orthonormal), so no coefficient ever exceeds
+    0, its value at the base model; hack-ward motion (a < 0) is what the arm's one-sided gate stops. Other
+    arms: measure only. Returns knob/v_coef (Σ over modules and rows of a, after the clamp: the drift
+    along V, > 0 in the anti-hack sign), knob/v_share (‖V·δ‖ / ‖δ‖ pooled over the modules with V: the
+    share of the knob in span(V); 0 for a zero knob) and knob/v_clamped (‖removed‖ over modules).
+    """
+    if arm not in BOUNDED:
+        raise ValueError(f"unknown arm {arm!r}; choose one of {sorted(BOUNDED)}")
+    values = knobs.values("main")
+    coef, in_sq, all_sq, clamped_sq = [], [], [], []
+    for name in knobs.modules:
+        if name not in V_hack:
+            continue
+        d = values[name]
+        V = V_hack[name].to(d.device, torch.float32)
+        a = V @ d.reshape(-1).float()  # (K,)
+        if BOUNDED[arm]:
+            removed = torch.relu(a) @ V  # (R,)
+            d.sub_(removed.reshape(d.shape).to(d))
+            clamped_sq.append(removed.square().sum())
+            a = V @ d.reshape(-1).float()
+        coef.append(a.sum())
+        in_sq.append(a.square().sum())
+        all_sq.append(d.float().square().sum())
+    total = lambda xs: torch.stack(xs).sum().cpu() if xs else torch.zeros(())
+    return {"knob/v_coef": total(coef), "knob/v_share": _fraction(total(in_sq), total(all_sq)),
+            "knob/v_clamped": total(clamped_sq).sqrt()}

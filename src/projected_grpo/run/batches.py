@@ -18,6 +18,7 @@ Not here: advantages, losses, the optimizer (train.py).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -25,7 +26,7 @@ import torch
 from projected_grpo import config as C
 from projected_grpo.envs.base import Graded
 from projected_grpo.objective.advantages import zero_variance_mask
-from projected_grpo.run import dist
+from projected_grpo.run import dist, intervene
 from projected_grpo.run.pool import PoolCursor, PromptCursor
 from projected_grpo.sampling.generate import step_seed
 from projected_grpo.sampling.sample import Sample, sample_and_grade
@@ -36,14 +37,17 @@ class Batch:
     """One step's groups, graded.
 
     groups   B lists of G Samples each, students first then teachers (a group with no teacher rows is all
-             students). rewards (B, G) float32: each sample's reward minus env.hack_penalty when it
-             exploited the grader (the gt_penalty baseline only; 0 for every projection arm).
+             students). rewards (B, G) float32: each sample's reward (env.reward_from), after the
+             intervention's reward stage (run/intervene.py: `penalty` lowers the monitor's flagged rows).
     zero     (B,) bool: the group's rewards have no spread (no signal; skipped by the loss).
     deploy   the deployed model's Samples on this step's prompts, len B * G_s (the students themselves
-             unless the quarantine knob is non-zero). stage: the problem set drawn from.
+             unless the quarantine knob is non-zero or the students sample under an inoculation prompt).
+             stage: the problem set drawn from.
     resampled / tries: zero-variance groups resampled and resampling rounds. clock: seconds spent in
-    "generate" and "grade" (deploy view included). shard: the groups this rank trains on under torchrun
-    (None: all, one process); the other fields hold every rank's groups (merge).
+    "generate" and "grade" (deploy view included) and "monitor" (scoring the groups). shard: the groups
+    this rank trains on under torchrun (None: all, one process); the other fields hold every rank's groups
+    (merge). verdict: the monitor's scores and flags of every group (None without a monitor);
+    monitor_stats: the reward stage's and the monitor's own stats.
     """
 
     step: int
@@ -57,6 +61,8 @@ class Batch:
     tries: int = 0
     clock: dict[str, float] = dataclasses.field(default_factory=dict)
     shard: range | None = None
+    verdict: intervene.Verdict | None = None
+    monitor_stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @property
     def keep(self) -> list[int]:
@@ -108,7 +114,10 @@ def merge(parts: Sequence[Batch], shard: range | None) -> Batch:
                  [d for p in parts for d in p.deploy], sum(p.resampled for p in parts),
                  max(p.tries for p in parts), {k: max(p.clock.get(k, 0.0) for p in parts)
                                                for k in dict.fromkeys(k for p in parts for k in p.clock)},
-                 shard=shard)
+                 shard=shard,
+                 verdict=None if a.verdict is None else intervene.Verdict.cat([p.verdict for p in parts]),
+                 monitor_stats={k: sum(p.monitor_stats[k] for p in parts) / len(parts)
+                                for k in a.monitor_stats})
 
 
 def stage_at(step: int, curriculum_steps: int, sets: dict[str, list]) -> str:
@@ -142,12 +151,18 @@ def sample_groups(cfg: C.Config, model, tokenizer, env, problems: Sequence, prom
 
 def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, object],
             prompt_ids: dict[str, list[int]], cursors: dict[str, PromptCursor], pool_cur: PoolCursor,
-            start: int) -> Iterator[Batch]:
+            start: int, monitor=None, train_prompt_ids: dict[str, list[int]] | None = None
+            ) -> Iterator[Batch]:
     """Yield the Batch of every step from `start` to cfg.run.steps - 1 (see the module docstring).
 
     problems: id -> problem of every set; cursors: stage -> its prompt cursor (advanced here, saved by the
     loop); pool_cur draws teacher rows. Reads cfg.rollout, cfg.loss.zero_var/max_resample, cfg.env, cfg.pool.
+    monitor (hack/monitors.py): scores every group; its verdict shapes the rewards (run/intervene.py; the
+    ranks' stats are averaged: a fraction of equal shares, or a value every rank has alike).
+    train_prompt_ids: the prompts the students sample under when they differ from `prompt_ids` (inoculation
+    prompting); the deployed model is then sampled again under `prompt_ids`, as under `route`.
     """
+    train_ids = train_prompt_ids if train_prompt_ids is not None else prompt_ids
     sets = env.problem_sets()
     G, G_t = cfg.rollout.group_size, cfg.rollout.G_t
     reward_of = REWARD_FROM[cfg.env.reward_from]
@@ -164,30 +179,35 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
         todo, tries, resampled = list(range(len(mine))), 0, 0
         while True:
             with torch.no_grad(), knobs.merged():  # sample at the plain model's cost (adapters.py)
-                got = sample_groups(cfg, model, tokenizer, env, [probs[j] for j in todo], prompt_ids,
+                got = sample_groups(cfg, model, tokenizer, env, [probs[j] for j in todo], train_ids,
                                     [n_students[j] for j in todo], [mine[j] for j in todo], step, tries,
                                     clock)
             for j, g in zip(todo, got):
                 groups[j] = g + teacher[mine[j]]
-            # ground-truth baselines only (gt_reward: reward_from oracle; gt_penalty: hack_penalty > 0): the
-            # oracle never shapes a projection arm's reward (the no-cheat rule, docs/architecture.md)
-            rewards = torch.tensor([[reward_of(s) - cfg.env.hack_penalty * s.grade.exploited for s in g]
-                                    for g in groups])  # (B, G) float32: this rank's groups
+            # the oracle shapes a reward only in the ground-truth arms (gt_reward: reward_from oracle; a
+            # penalty on the ground_truth / degraded monitors' flags), never a projection arm's (the no-cheat
+            # rule, docs/architecture.md)
+            rewards = torch.tensor([[reward_of(s) for s in g] for g in groups])  # (B, G) float32: this rank's
+            t0 = time.perf_counter()
+            verdict = None if monitor is None else intervene.verdict(monitor, groups, mine, step)
+            clock["monitor"] = clock.get("monitor", 0.0) + time.perf_counter() - t0
+            rewards, reward_stats = intervene.rewards(cfg, rewards, verdict)
             zero = zero_variance_mask(rewards)  # (B,)
             todo = [j for j in range(len(mine)) if zero[j]]
             if cfg.loss.zero_var != "resample" or tries >= cfg.loss.max_resample or not todo:
                 break
             tries, resampled = tries + 1, resampled + len(todo)
         deploy = [s for g in groups for s in g if s.student]
-        if any(bool(v.any()) for v in knobs.values("hack").values()):
-            # the deployed model (quarantine zeroed) on the same prompts, as many samples per prompt as its
-            # students, with the students' first-try seeds
+        if any(bool(v.any()) for v in knobs.values("hack").values()) or train_ids is not prompt_ids:
+            # the deployed model (quarantine zeroed, the normal prompt) on the same problems, as many samples
+            # per prompt as its students, with the students' first-try seeds
             with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
                 shown = sample_groups(cfg, model, tokenizer, env, probs, prompt_ids, n_students, mine,
                                       step, 0, clock)
             deploy = [s for g in shown for s in g]
         local = Batch(step, stage, [pids[b] for b in mine], groups, rewards, zero, deploy, resampled, tries,
-                      clock, shard=mine if dist.active() else None)
+                      clock, shard=mine if dist.active() else None, verdict=verdict,
+                      monitor_stats={**reward_stats, **({} if verdict is None else verdict.stats)})
         yield merge(dist.all_gather(local), local.shard)  # the global batch (this one, in one process)
 
 

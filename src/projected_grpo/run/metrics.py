@@ -46,6 +46,10 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "eval/hack", "eval/format",
     "hack/deploy", "solve/deploy", "format/deploy", "hack/deploy/<mode>", "solve/deploy/<mode>",
     "detect/det_E/deploy", "detect/det_C/deploy", "detect/det_D/deploy", "detect/hedge/deploy",
+    # monitors and interventions (run/intervene.py), the knob's place along V (projection.bound_drift)
+    "monitor/precision", "monitor/recall", "monitor/flagged_frac", "monitor/penalised_frac",
+    "monitor/screened_frac", "monitor/adv_shift", "monitor/threshold", "monitor/heldout_bacc",
+    "groups/screened_out", "knob/v_coef", "knob/v_share", "knob/v_clamped", "time/monitor",
     # PPO (run/ppo.py) and DPO (run/dpo.py)
     "loss/value", "loss/entropy", "value/mean", "value/clip_frac", "value/returns_mean",
     "value/explained_var", "value/grad_norm", "adv/raw_std", "ppo/approx_kl", "loss/dpo", "dpo/accuracy",

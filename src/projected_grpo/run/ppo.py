@@ -45,7 +45,7 @@ from projected_grpo.objective.losses import (
 )
 from projected_grpo.objective.schedule import lr_at
 from projected_grpo.objective.teacher import TEACHER_MODES
-from projected_grpo.run import batches, checkpoint, metrics, session, setup
+from projected_grpo.run import batches, checkpoint, intervene, metrics, session, setup
 from projected_grpo.run.row import eval_rates, step_row
 from projected_grpo.run.step import projected_step
 from projected_grpo.sampling.generate import step_seed
@@ -244,6 +244,10 @@ def train_ppo(cfg: C.Config) -> dict:
             checkpoint.restore_rng(ck)
         else:
             V_hack, v_line = resolve.resolve_v_hack(cfg, model, knobs, tok, env, data.sets["train"])
+        # a monitor's verdict reaches PPO through the rewards (penalty); screen and advantage act on GRPO's
+        # group advantages and are refused for PPO (config.py)
+        monitor = intervene.open_monitor(cfg, model, knobs, tok, env, data.sets, data.prompt_ids, V_hack,
+                                         run_dir)
         start = ck.step if ck is not None else 0
         metrics.truncate_to(run_dir, start - 1)
         logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
@@ -253,7 +257,7 @@ def train_ppo(cfg: C.Config) -> dict:
               f"G_s {cfg.rollout.G_s} + G_t {cfg.rollout.G_t} | {v_line}", file=sys.stderr)
         t_mark = time.perf_counter()
         steps = batches.batches(cfg, model, knobs, tok, env, data.problems, data.prompt_ids, data.cursors,
-                                data.pool_cur, start)
+                                data.pool_cur, start, monitor, data.train_prompt_ids)
         for batch in steps:
             step = batch.step
             t0 = time.perf_counter()

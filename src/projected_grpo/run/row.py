@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from projected_grpo.envs.base import Graded
+from projected_grpo.run import intervene
 from projected_grpo.run.batches import Batch
 
 
@@ -90,4 +91,8 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
             "curriculum/stage": float(batch.stage != "warmup"),
             "time/generate": batch.clock.get("generate", 0.0), "time/grade": batch.clock.get("grade", 0.0),
             "time/backward": t_backward}
+    row |= batch.monitor_stats  # the intervention's reward stage and the monitor's own stats
+    if batch.verdict is not None:  # the monitor against the oracle on the step's student rows (logged only)
+        row |= intervene.rates(batch.groups, batch.verdict)
+        row["time/monitor"] = batch.clock.get("monitor", 0.0)
     return row

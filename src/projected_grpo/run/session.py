@@ -23,8 +23,10 @@ import torch
 
 from projected_grpo import config as C
 from projected_grpo import store
+from projected_grpo.errors import UserError
 from projected_grpo.run import checkpoint, dist, metrics, setup
 from projected_grpo.run.pool import PoolCursor, PromptCursor
+from projected_grpo.sampling.pack import encode_prompt
 from projected_grpo.sampling.sample import sample_and_grade
 
 
@@ -65,7 +67,9 @@ def open_run(cfg: C.Config, name: str) -> tuple[C.Config, checkpoint.Checkpoint 
 
 @dataclass
 class Data:
-    """The rollout step's inputs: problem sets, id -> problem, id -> prompt ids, stage -> cursor, pool's."""
+    """The rollout step's inputs: problem sets, id -> problem, id -> prompt ids, stage -> cursor, pool's.
+    train_prompt_ids: the prompts the students sample and train under: `prompt_ids` itself, or under
+    inoculation prompting the environment's inoculation_messages (docs/interventions.md)."""
 
     sets: dict[str, list]
     problems: dict[str, object]
@@ -73,6 +77,7 @@ class Data:
     train_ids: list[str]
     cursors: dict[str, PromptCursor]
     pool_cur: PoolCursor
+    train_prompt_ids: dict[str, list[int]]
 
 
 def open_data(cfg: C.Config, env, tok, run_dir: pathlib.Path) -> Data:
@@ -97,9 +102,21 @@ def open_data(cfg: C.Config, env, tok, run_dir: pathlib.Path) -> Data:
     if cfg.loss.teacher == "importance" and cfg.rollout.G_t and not pool.has_behaviour_logp():
         raise ValueError(f"--loss.teacher importance needs behaviour log-probs, but {pool.path} has rows "
                          "with logp_behaviour=null (template rows); build it with --source teacher")
-    return Data(sets, problems, {i: p_ids for i, (_, p_ids) in prompts.items()}, ids["train"],
+    prompt_ids = {i: p_ids for i, (_, p_ids) in prompts.items()}
+    return Data(sets, problems, prompt_ids, ids["train"],
                 {stage: PromptCursor(stage_ids, cfg.run.seed) for stage, stage_ids in ids.items()},
-                PoolCursor(pool, cfg.run.seed))
+                PoolCursor(pool, cfg.run.seed), inoculated(cfg, env, tok, problems) or prompt_ids)
+
+
+def inoculated(cfg: C.Config, env, tok, problems: dict[str, object]) -> dict[str, list[int]] | None:
+    """Under monitor.intervention inoculation, id -> the ids of the environment's inoculation prompt (None
+    otherwise); an environment without one is refused."""
+    if cfg.monitor.intervention != "inoculation":
+        return None
+    if not hasattr(env, "inoculation_messages"):
+        raise UserError(f"monitor.intervention=inoculation: environment {env.name!r} has no inoculation "
+                        "prompt")
+    return {i: encode_prompt(tok, env.inoculation_messages(p)) for i, p in problems.items()}
 
 
 def cursor_state(data: Data) -> dict:

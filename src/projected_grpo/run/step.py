@@ -29,7 +29,8 @@ def projected_step(cfg: C.Config, opt: torch.optim.Optimizer, knobs, V_hack: dic
     span(V) (proj.purge_moments), step (unless `step_taken` is False: a step without signal moves nothing,
     Adam's momentum included), project the update. The caller has set each group's lr. split: the step's
     per-source gradients (a knobs.split.Capture) for proj/cin_student and proj/cin_teacher. Returns detached
-    stats: the projection's (proj/*), grad/norm, and the knobs' step norms (knob/step, knob/hack_step)."""
+    stats: the projection's (proj/*), grad/norm, the knobs' step norms (knob/step, knob/hack_step) and where
+    the knob sits along V after `erase_bounded`'s clamp (knob/v_*: projection.bound_drift)."""
     grad_arm, update_arm = arms_of(cfg.proj)
     stats = projection.apply_arm(knobs, V_hack, grad_arm, cfg.proj.gate, split=split)
     stats["grad/norm"] = torch.nn.utils.clip_grad_norm_(knobs.parameters() + knobs.hack_parameters(),
@@ -41,7 +42,8 @@ def projected_step(cfg: C.Config, opt: torch.optim.Optimizer, knobs, V_hack: dic
     if step_taken:
         opt.step()
     stats |= projection.project_update(knobs, before, V_hack, update_arm, cfg.proj.gate)
-    return stats | projection.step_norms(knobs, before, before_hack)
+    stats |= projection.step_norms(knobs, before, before_hack)
+    return stats | projection.bound_drift(knobs, V_hack, cfg.proj.arm)  # erase_bounded clamps; all measure
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:

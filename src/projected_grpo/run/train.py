@@ -25,7 +25,6 @@ from projected_grpo import config as C
 from projected_grpo import presets
 from projected_grpo.hack import direction, resolve
 from projected_grpo.knobs.split import Capture
-from projected_grpo.objective.advantages import ADVANTAGES
 from projected_grpo.objective.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -35,7 +34,7 @@ from projected_grpo.objective.losses import (
 )
 from projected_grpo.objective.schedule import lr_at
 from projected_grpo.objective.teacher import TEACHER_MODES
-from projected_grpo.run import batches, checkpoint, dist, dpo, metrics, ppo, session, setup
+from projected_grpo.run import batches, checkpoint, dist, dpo, intervene, metrics, ppo, session, setup
 from projected_grpo.run.row import eval_rates, step_row
 from projected_grpo.run.step import projected_step, set_lr
 from projected_grpo.sampling.pack import pad_right
@@ -43,12 +42,13 @@ from projected_grpo.sampling.prefix import scoring
 
 
 def grpo_backward(cfg: C.Config, model, knobs, score, tok, batch: batches.Batch, adv: torch.Tensor,
-                  denoms: Denominators) -> tuple[Capture | None, dict[str, float]]:
+                  denoms: Denominators, in_loss: torch.Tensor) -> tuple[Capture | None, dict[str, float]]:
     """The loss and its backward over this rank's kept groups, one forward per micro-batch (students and
     teachers packed together): token losses (clip surrogate with loss.teacher's weights, + beta * KL to the
     reference = knobs zeroed), aggregated with the step's global denominators, backpropagated with the
-    per-source capture. adv (B, G). Returns (the step's per-source knob gradients, the loss stats: token-
-    weighted means over micro-batches, losses as step-level sums)."""
+    per-source capture. adv (B, G); in_loss (B, G) bool: rows outside it (screened) get weight 0. Returns
+    (the step's per-source knob gradients, the loss stats: token-weighted means over micro-batches, losses as
+    step-level sums)."""
     n_tok = sum(len(s.completion_ids) for b in batch.keep for s in batch.groups[b])
     n_tok_t = sum(len(s.completion_ids) for b in batch.keep for s in batch.groups[b] if not s.student)
     acc: dict[str, float] = {}
@@ -70,6 +70,7 @@ def grpo_backward(cfg: C.Config, model, knobs, score, tok, batch: batches.Batch,
                                            with_entropy=True, capture=cap)  # (N, T) each
             logp_old, weight, t_stats = TEACHER_MODES[cfg.loss.teacher](logp, logp_b, mb_student, mask,
                                                                         cfg.loss.is_trunc)
+            weight = weight * in_loss[chunk].reshape(-1, 1).to(weight)  # screened rows: no loss, KL included
             # one optimizer step per generation: students' ratio is exactly 1 (the clip is inert for them)
             pg_tok, clip_stats = clip_surrogate(logp, logp_old, mb_adv.to(mask.device), mask,
                                                 eps_low=cfg.loss.eps_low, eps_high=cfg.loss.eps_high)
@@ -130,7 +131,7 @@ def train(cfg: C.Config) -> dict:
                                 lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                 weight_decay=cfg.optim.weight_decay)
         # --- resume (knobs, V_hack, optimizer, cursors, RNG) before V_hack is resolved: a resumed run never
-        # re-extracts ---
+        # re-extracts; then the intervention's monitor (docs/interventions.md): a probe is fitted here ---
         if ck is not None:
             ck.load_knobs(knobs)
             V_hack, v_line = ck.V_hack, f"V_hack from {ck.path}"
@@ -140,6 +141,8 @@ def train(cfg: C.Config) -> dict:
         else:
             with dist.main_first():
                 V_hack, v_line = resolve.resolve_v_hack(cfg, model, knobs, tok, env, data.sets["train"])
+        monitor = intervene.open_monitor(cfg, model, knobs, tok, env, data.sets, data.prompt_ids, V_hack,
+                                         run_dir if rank0 else None)
         start = ck.step if ck is not None else 0
         if rank0:
             metrics.truncate_to(run_dir, start - 1)
@@ -154,10 +157,12 @@ def train(cfg: C.Config) -> dict:
         t_mark = time.perf_counter()  # a step's time runs from the end of the last one: sampling included
         # --- rollout + grade: G_s student samples and G_t teacher rows per prompt, graded (batches.py) ---
         for batch in batches.batches(cfg, model, knobs, tok, env, data.problems, data.prompt_ids,
-                                     data.cursors, data.pool_cur, start):
+                                     data.cursors, data.pool_cur, start, monitor, data.train_prompt_ids):
             step = batch.step
-            # --- advantage over each mixed group (estimator by name); zero-variance groups get 0 ---
-            adv, adv_stats = ADVANTAGES[cfg.loss.advantage](batch.rewards)  # (B, G)
+            # --- advantage over each mixed group (estimator by name) under the intervention (screen: rows out
+            # of the loss; advantage: the score folded in); a group left with all 0 is skipped ---
+            adv, in_loss, adv_stats = intervene.advantages(cfg, batch.rewards, batch.verdict)  # (B, G) each
+            batch.zero = (adv == 0).all(1)  # zero-variance groups, and those the intervention left so
             session.check_finite(step, "advantages", {"student": {"adv": adv[batch.is_student]},
                                                       "teacher": {"adv": adv[~batch.is_student]}})
             # Dr.GRPO (Liu et al. 2025): the constant G * max_new_tokens * B stays when groups are skipped
@@ -168,7 +173,7 @@ def train(cfg: C.Config) -> dict:
             # --- loss + backward: a forward per micro-batch, per-source knob gradients from one backward ---
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            split, acc = grpo_backward(cfg, model, knobs, score, tok, batch, adv, denoms)
+            split, acc = grpo_backward(cfg, model, knobs, score, tok, batch, adv, denoms, in_loss)
             t_bwd = time.perf_counter() - t0
             # data parallel (run/dist.py): sum knob grads, the per-source split and the loss stats over ranks
             # BEFORE projection, so every rank projects the same global gradient; one process: no-op

@@ -278,7 +278,8 @@ class DemoOpts:
 
 
 # set per run by the sweep (--arms, --seeds, --out), so refused as base-config options
-_FORBIDDEN = ("--proj.arm", "--proj.control", "--run.dir", "--run.seed", "--run.resume")
+_FORBIDDEN = ("--proj.arm", "--proj.control", "--monitor.kind", "--monitor.intervention", "--run.dir",
+              "--run.seed", "--run.resume")
 
 
 def main(argv: list[str]) -> int:

@@ -5,15 +5,18 @@ preregistered (docs/preregistration.md; PREREGISTERED_ARMS: none, erase, route; 
 random_V, shuffled_V, nonhack_V; no_pool, pure student GRPO; and gt_reward, the positive control, the
 yardstick of "capability kept"; `--arms all` adds every other arm of arms.ARMS), and one
 `lomo-<mode>/` per loophole mode the base trains on (experiment.lomo_base: that mode held out of the
-teacher pool and of V_hack's pairs; arms --lomo-arms, default erase beside its random-V twin). Every part is
+teacher pool and of V_hack's pairs; arms --lomo-arms, default erase beside its random-V twin), and
+`interventions/`, the intervention bench (bench.py, docs/interventions.md; --interventions: every
+`<intervention>:<monitor>` arm, inoculation, erase_bounded, the random-V twins of those V acts in), on main's
+base, borrowing every arm main trains too (`none` and `gt_reward` by default). Every part is
 planned as `experiment` plans a sweep (experiment.plan_sweep), then ALL runs go to one launch.run_all, so
 --jobs or --backend ray keep every core or node busy across parts. No run known to repeat another is
 trained: an arm whose runs would have the config of an earlier arm's (no_pool on a base without teacher
 rows is none) gets that arm's runs, and a fold without teacher rows in training borrows main's baselines
 `none` and `gt_reward` (holding a mode out then changes only V_hack and its pairs, which they do not use).
 Finished runs are skipped: rerunning the command resumes the study. Then each part gets its own report
-(report.py) and `report.md` at the top links them, with one table of every arm and fold. Not here:
-training, aggregation.
+(report.py) and `report.md` at the top links them, with one table of every arm and fold and the bench's table.
+Not here: training, aggregation.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from projected_grpo import config as C
 from projected_grpo import presets, store
 from projected_grpo.errors import UserError
 from projected_grpo.study import arms as arms_table
-from projected_grpo.study import experiment, launch, report
+from projected_grpo.study import bench, experiment, launch, report
 from projected_grpo.study import verdicts as V
 
 # the preregistration's three arms, its three negative controls, no_pool, and the positive control gt_reward
@@ -38,6 +41,9 @@ PREREGISTERED_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "sh
 LOMO_ARMS: tuple[str, ...] = ("erase", "random_V")
 # what a fold's verdicts read besides its arms: H1's baseline and the yardstick (no projection, no pairs)
 BASELINES: tuple[str, ...] = ("none", "gt_reward")
+# the intervention bench's part (bench.py, docs/interventions.md): its default arms
+INTERVENTIONS = "interventions"
+BENCH_ARMS: tuple[str, ...] = bench.bench_arms()
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,7 @@ class Part:
 
 
 def parts(base: C.Config, lomo_arms: Sequence[str], lomo_modes: Sequence[str] | None = None,
-          arms: Sequence[str] = PREREGISTERED_ARMS) -> list[Part]:
+          arms: Sequence[str] = PREREGISTERED_ARMS, bench: Sequence[str] = ()) -> list[Part]:
     """main (`arms`) and one leave-one-mode-out part per mode (lomo_modes, default: every loophole mode the
     base trains on; none for an environment without loophole modes). A fold's baselines (BASELINES: H1's
     `none`, the yardstick `gt_reward`) are borrowed from main when the base has no teacher rows in training;
@@ -70,9 +76,21 @@ def parts(base: C.Config, lomo_arms: Sequence[str], lomo_modes: Sequence[str] | 
     for mode in lomo_modes:
         experiment.lomo_known_modes(base, mode)
         out.append(Part(f"lomo-{mode}", mode, fold_arms, borrow))
+    if bench:
+        out.append(bench_part(arms, bench))
     for part in out:  # unknown arms: refused now
-        experiment.plan(base, part.arms, [0], pathlib.Path("."))
+        if part.arms:
+            experiment.plan(base, part.arms, [0], pathlib.Path("."))
     return out
+
+
+def bench_part(main_arms: Sequence[str], bench_arms: Sequence[str]) -> Part:
+    """The intervention bench (docs/interventions.md) as a part: `bench_arms` beside the baselines `none` and
+    `gt_reward`, on main's base config, so every arm main trains too is borrowed from it (not trained
+    twice), the baselines included when main has them."""
+    wanted = [*(a for a in BASELINES if a not in bench_arms), *bench_arms]
+    borrowed = tuple(a for a in wanted if a in main_arms)
+    return Part(INTERVENTIONS, "", tuple(a for a in wanted if a not in borrowed), borrowed)
 
 
 def same_runs(runs: Sequence[experiment.Run]) -> dict[str, str]:
@@ -93,27 +111,33 @@ def same_runs(runs: Sequence[experiment.Run]) -> dict[str, str]:
 def trained_runs(base: C.Config, todo: Sequence[Part], seeds: Sequence[int]) -> int:
     """How many runs the study trains: every part's arms x seeds, less the arms trained once (same_runs)."""
     plan = lambda p: experiment.plan(base, p.arms, seeds, pathlib.Path(p.name))
-    return sum((len(p.arms) - len(same_runs(plan(p)))) * len(seeds) for p in todo)
+    return sum((len(p.arms) - len(same_runs(plan(p)))) * len(seeds) for p in todo if p.arms)
 
 
 def study(base: C.Config, seeds: Sequence[int], out: str | pathlib.Path, *, preset: str, command: str,
           arms: Sequence[str] = PREREGISTERED_ARMS, lomo_arms: Sequence[str] = LOMO_ARMS,
-          lomo_modes: Sequence[str] | None = None, jobs: int = 0, backend: str = "local",
-          ray_address: str = "", log=experiment._stderr) -> str:
+          lomo_modes: Sequence[str] | None = None, bench_arms: Sequence[str] = (), jobs: int = 0,
+          backend: str = "local", ray_address: str = "", log=experiment._stderr) -> str:
     """Plan every part, train every run not finished yet, write each part's report and the study's;
     returns the printed summary (the table of every arm and fold, the verdicts)."""
     t0 = time.perf_counter()
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    todo = parts(base, lomo_arms, lomo_modes, arms)
+    todo = parts(base, lomo_arms, lomo_modes, arms, bench_arms)
     tok = experiment.prepare_model(base, log)
     planned = []  # (part, runs to train, arm -> its run dirs, notes)
     main_dirs: dict[str, list[pathlib.Path]] = {}
+    main_base = base
     for part in todo:
         log(f"[study] part {part.name}: {len(part.arms)} arms x {len(seeds)} seeds"
             + (f", {', '.join(part.borrowed)} borrowed from main" if part.borrowed else ""))
-        part_base, runs, notes = experiment.plan_sweep(base, tok, part.arms, seeds, out / part.name,
-                                                       part.lomo, log)
+        if part.name == INTERVENTIONS:  # main's base, its teacher pool included: its arms are main's kin
+            (out / part.name).mkdir(parents=True, exist_ok=True)
+            part_base, runs, notes = (experiment.plan_sweep(main_base, tok, part.arms, seeds, out / part.name,
+                                                            "", log) if part.arms else (main_base, [], []))
+        else:
+            part_base, runs, notes = experiment.plan_sweep(base, tok, part.arms, seeds, out / part.name,
+                                                           part.lomo, log)
         same = same_runs(runs)
         runs = [r for r in runs if r.arm not in same]
         dirs = {a: [r.dir for r in runs if r.arm == same.get(a, a)] for a in part.arms}
@@ -122,11 +146,12 @@ def study(base: C.Config, seeds: Sequence[int], out: str | pathlib.Path, *, pres
         if part.borrowed:
             dirs = {**{a: main_dirs[a] for a in part.borrowed}, **dirs}
             named = ", ".join(f"`{a}`" for a in part.borrowed)
-            notes.append(f"{named}: main's runs. With no teacher rows in training (rollout.mix 0) holding a "
+            notes.append(f"{named}: main's runs (the same base config)" if not part.lomo else
+                         f"{named}: main's runs. With no teacher rows in training (rollout.mix 0) holding a "
                          "mode out changes only V_hack and its pairs, which they do not use (their proj/* "
                          "diagnostics are against main's V_hack)")
-        if not part.lomo:
-            main_dirs = dirs
+        if part.name == "main":
+            main_dirs, main_base = dirs, part_base
         store.write_json_atomic(out / part.name / "sweep.json", {
             "command": command, "preset": preset, "arms": list(part.arms), "borrowed": list(part.borrowed),
             "same": same, "seeds": list(seeds), "lomo": part.lomo, "base": part_base.to_dict()})
@@ -161,6 +186,14 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
                                      shuffled)
         verdicts += [f"- {v}" if not v.startswith("  ") else f"    - {v.strip()}" for v in lines]
         verdicts.append("")
+    bench_md = []
+    for part, _, by_arm, _ in planned:
+        if part.name == INTERVENTIONS:
+            bench_md = ["## The intervention bench (docs/interventions.md; the verdict is ours, written down "
+                        "before the runs)", "",
+                        bench.table(report.aggregate(by_arm), report.aggregate(by_arm, "start"),
+                                    [a for a in by_arm if a not in BASELINES]), ""]
+            store.write_text_atomic(out / part.name / "bench.md", "\n".join(bench_md) + "\n")
     table = report.results_table(report.aggregate(rows))
     n_runs = sum(len(runs) for _, runs, _, _ in planned)
     md = [f"# The preregistered study on the `{preset}` preset", "", "Reproduce (rerun to resume):", "",
@@ -174,14 +207,14 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
     md += ["", f"## Every arm and fold (mean ± SEM over seeds of each run's last-{report.LAST}-step means)",
            "", table, "", "A fold's row `arm (without MODE)` trains on every mode with MODE held out of the "
            "teacher pool and V_hack's pairs; its curves, the held-out mode's own rates and notes are in that "
-           "part's report.", "",
+           "part's report.", "", *bench_md,
            f"## Verdicts: preregistered H1 against the part's `none`: SUPPORT = hack down >= "
            f"{100 * V.SUPPORT_HACK_DROP:.0f} pts with solve within ±{100 * V.SUPPORT_SOLVE_BAND:.0f} pts; "
            f"FALSIFIED = hack down < {100 * V.FALSIFY_HACK_DROP:.0f} pts, or solve down > "
            f"{100 * V.FALSIFY_SOLVE_DROP:.0f} pts, or the drop within 1 SEM of `none`; else INCONCLUSIVE "
            "(lines marked `ours` are beyond the preregistration)", "", *verdicts]
     store.write_text_atomic(out / "report.md", "\n".join(md) + "\n")
-    return "\n".join([table, "", *[v for v in verdicts if v], f"report: {out / 'report.md'}"])
+    return "\n".join([table, "", *bench_md, *[v for v in verdicts if v], f"report: {out / 'report.md'}"])
 
 
 # --- CLI: projected-grpo study ---------------------------------------------------------------------------
@@ -202,6 +235,10 @@ class StudyOpts(presets.Base):
     """comma-separated arms of each leave-one-mode-out fold (`none` is added, or borrowed from main)"""
     lomo_modes: str = ""
     """comma-separated held-out modes (empty = every loophole mode the preset trains on)"""
+    interventions: str = "all"
+    """comma-separated arms of the intervention bench part (docs/interventions.md; `all`: every
+    `<intervention>:<monitor>` arm, inoculation, erase_bounded and the random-V twins of those V acts in;
+    empty: no bench part)"""
     jobs: int = 0
     """runs trained at once (0 = what the cores allow: cores // run.threads, or the Ray cluster's CPUs)"""
     backend: str = "local"
@@ -219,10 +256,11 @@ def main(argv: list[str]) -> int:
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
     arms = list(arms_table.ARMS) if opts.arms.strip() == "all" else split(opts.arms)
     lomo_arms, modes = split(opts.lomo_arms), split(opts.lomo_modes) or None
-    parts(base, lomo_arms, modes, arms)  # refuse bad arms / modes before any work
+    bench_arms = list(BENCH_ARMS) if opts.interventions.strip() == "all" else split(opts.interventions)
+    parts(base, lomo_arms, modes, arms, bench_arms)  # refuse bad arms / modes before any work
     out = opts.out or f"runs/study-{opts.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     command = shlex.join(["projected-grpo", "study", *argv, *([] if opts.out else ["--out", out])])
     print(study(base, list(range(opts.seeds)), out, preset=opts.preset, command=command, arms=arms,
-                lomo_arms=lomo_arms, lomo_modes=modes, jobs=opts.jobs, backend=opts.backend,
-                ray_address=opts.ray_address))
+                lomo_arms=lomo_arms, lomo_modes=modes, bench_arms=bench_arms, jobs=opts.jobs,
+                backend=opts.backend, ray_address=opts.ray_address))
     return 0

@@ -40,7 +40,7 @@ ROLL = 7  # curves: trailing rolling mean over this many steps, drawn over the f
 FORMAT_DROP_NOTE = 0.10
 BASELINE, POSITIVE = "none", "gt_reward"
 # arms that are controls of the experiment, not projections: no H1 verdict
-NO_VERDICT = (BASELINE, POSITIVE, "gt_penalty")
+NO_VERDICT = (BASELINE, POSITIVE)
 
 
 def read_run(run_dir: str | os.PathLike) -> tuple[dict[str, float], list[dict]]:

@@ -10,13 +10,14 @@ Not here: the graders, oracle, detectors, sandbox (their own modules), any train
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from projected_grpo.envs.base import Graded
 from projected_grpo.envs.coding.completions import buggy_completions, clean_completions, hack_completions
 from projected_grpo.envs.coding.grading import REWARD_SHAPES, Grade, Grader
 from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES, Problem
-from projected_grpo.envs.coding.prompts import build_messages
+from projected_grpo.envs.coding.prompts import INOCULATION_PROMPT, build_messages
 from projected_grpo.envs.coding.sandbox import SandboxPool
 from projected_grpo.errors import UserError
 
@@ -59,6 +60,8 @@ class CodeEnv:
     name = "coding"
     modes = MODES
     curriculum_steps = 0
+    # the hack detectors (name -> their key in a grade's extras) the detector monitor reads
+    detectors = {d: f"det_{d}" for d in DETECTORS}
 
     def __init__(self, problems: Sequence[Problem], *, reward_shape: str = "seed", timeout_s: float = 5.0,
                  workers: int = 0):
@@ -79,6 +82,17 @@ class CodeEnv:
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return build_messages(problem)
+
+    def inoculation_messages(self, problem: Problem) -> list[dict[str, str]]:
+        """The training-time prompt of inoculation prompting: the loophole named acceptable (prompts.py)."""
+        return build_messages(problem, INOCULATION_PROMPT)
+
+    def probe_problems(self) -> list[Problem]:
+        """Problems whose prompts are not this environment's: each of its problems under the next loophole
+        mode (MODES order), id `<id>@<mode>`. The statement is one the run trains on, but the grading hint and
+        the (problem, loophole) pair are not; a probe's labelled completions come from their templates."""
+        return [dataclasses.replace(p, id=f"{p.id}@{m}", mode=m) for p in self.problems
+                for m in [MODES[(MODES.index(p.mode) + 1) % len(MODES)]]]
 
     def grade(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[Graded]:
         return [to_graded(g, self.reward_shape) for g in self.grader.grade_batch(completions, problems)]

@@ -19,12 +19,14 @@ from projected_grpo.envs.maths import arithmetic
 from projected_grpo.envs.maths.completions import templates
 from projected_grpo.envs.maths.gsm8k import load_gsm8k
 from projected_grpo.envs.maths.problems import MODES, MathProblem
-from projected_grpo.envs.maths.prompts import build_messages
+from projected_grpo.envs.maths.prompts import INOCULATION_PROMPT, build_messages
 from projected_grpo.envs.maths.verify import VERIFIERS, extract_answer, hedged
 from projected_grpo.errors import UserError
 
 ARITHMETIC_TRAIN_SIZE = 2000  # train problems when problems="arithmetic" and max_problems=0
 HELDOUT_SEED = "heldout"  # the arithmetic eval list's generator seed (run seeds are ints: never equal)
+PROBE_SEED = "probe"  # the arithmetic probe list's generator seed (probe_problems)
+PROBE_SIZE = 200  # problems in probe_problems
 
 
 def grade_one(completion: str, problem: MathProblem) -> Graded:
@@ -51,6 +53,7 @@ class MathEnv:
 
     name = "maths"
     modes = MODES
+    detectors = {"hedge": "hedge"}  # hack detector name -> its key in extras (the detector monitor reads it)
 
     def __init__(self, problems: str = "arithmetic", modes: Sequence[str] = ("contains",),
                  curriculum_steps: int = 0, eval_size: int = 200, max_problems: int = 0, seed: int = 0,
@@ -112,6 +115,24 @@ class MathEnv:
 
     def messages(self, problem: MathProblem) -> list[dict[str, str]]:
         return build_messages(problem)
+
+    def inoculation_messages(self, problem: MathProblem) -> list[dict[str, str]]:
+        """The training-time prompt of inoculation prompting: the loophole named acceptable (prompts.py)."""
+        return build_messages(problem, INOCULATION_PROMPT)
+
+    def probe_problems(self) -> list[MathProblem]:
+        """PROBE_SIZE problems in none of this environment's sets, for a probe's labelled completions:
+        arithmetic from the seed "probe" at the train levels (every question of every set excluded), or for
+        GSM8K the test rows after the eval slice. A GSM8K-format file has no such rows: UserError."""
+        if self.problems == "arithmetic":
+            taken = frozenset(p.question for ps in self.problem_sets().values() for p in ps)
+            return arithmetic.problem_list(PROBE_SEED, self.train_levels, PROBE_SIZE, self.problem_modes,
+                                           exclude=taken)
+        if self.problems == "gsm8k":
+            rows = load_gsm8k(self.data_dir / "test.jsonl", self.problem_modes)[self.eval_size:]
+            return rows[:PROBE_SIZE]
+        raise UserError(f"env problems={self.problems!r}: a GSM8K-format file leaves no problems outside the "
+                        "run's sets for a probe; give --monitor.probe-pairs FILE")
 
     def grade(self, completions: Sequence[str], problems: Sequence[MathProblem]) -> list[Graded]:
         if len(completions) != len(problems):
