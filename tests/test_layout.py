@@ -16,18 +16,18 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "projected_grpo"
 # hack, organism; run; study; cli. A layer imports its own folder and the floors below it.
 BASE = {"store", "errors"}
 ALLOWED: dict[str, set[str]] = {
-    "store": {"errors"}, "errors": set(), "config": {"errors", "configio", "config_algos"},
+    "store": {"errors"}, "errors": set(), "stats": set(), "config": {"errors", "configio", "config_algos"},
     "configio": {"errors"}, "config_algos": {"errors", "configio"},
     "presets": {"config", "errors"}, "models": BASE,
     "objective": {"objective"},
     "knobs": {"knobs", "objective"} | BASE,
     "envs": {"envs"} | BASE,
     "sampling": {"sampling", "knobs", "objective", "envs"} | BASE,
-    "hack": {"hack", "sampling", "knobs", "objective", "envs", "config"} | BASE,
+    "hack": {"hack", "sampling", "knobs", "objective", "envs", "config", "stats"} | BASE,
     "organism": {"organism", "sampling", "envs", "objective"} | BASE,
     "run": {"run", "hack", "sampling", "knobs", "objective", "envs", "organism", "config", "presets",
             "models"} | BASE,
-    "study": {"study", "run", "hack", "sampling", "envs", "config", "presets"} | BASE,
+    "study": {"study", "run", "hack", "sampling", "envs", "config", "presets", "stats"} | BASE,
     "cli": {"errors"},
 }
 
