@@ -6,7 +6,8 @@ one forward scores it, and ONE backward of Σ_sequences NLL_sequence yields each
 through the knob adapters' per-sequence capture (split.py): sequences never mix inside the model, so
 row n of the capture is exactly ∂NLL_n/∂knobs. tests/oracles.pair_grads_isolated (one forward +
 backward per pair and label) is its test oracle. Both use `torch.autograd.grad`, so no .grad is
-touched and extraction may run mid-training (train.py's online V refresh).
+touched and extraction may run mid-training (train.py's online V refresh). A sequence that occurs in several
+pairs (the same prompt and completion: V_hack's controls reuse the real pairs' completions) is computed once.
 Deliberately not here: the SVD, orientation and storage of V_hack (direction.py).
 """
 
@@ -105,14 +106,18 @@ def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean
     sequence at least): that bounds activation memory also for a real model's long prompts (SmolLM2's
     V_hack peaked at 21.8 GB RSS with 32 sequences a chunk). Sorted by length so a chunk pads little.
     .grad of every parameter is left untouched; model in eval mode (no dropout) while it runs. A non-finite
-    NLL raises naming the pair index and label, before any backward.
+    NLL raises naming the pair index and label, before any backward. Sequences repeated across pairs (same
+    prompt ids and completion ids) are computed once and copied.
     """
     if chunk_size < 1 or chunk_tokens < 1:
         raise ValueError(f"pair_grads: chunk_size and chunk_tokens must be >= 1, got {chunk_size}, "
                          f"{chunk_tokens}")
     nll_fn, seqs, names, params, pad_id, device = _setup(model, knobs, tokenizer, pairs, norm)
     rows = {n: torch.empty(len(seqs), knobs.modules[n].knob_dim) for n in names}  # (2P, R)
-    order = sorted(range(len(seqs)), key=lambda j: (len(seqs[j][2]) + len(seqs[j][3]), j))
+    first: dict[tuple, int] = {}  # (prompt ids, completion ids) -> its first row
+    source = [first.setdefault((tuple(s[2]), tuple(s[3])), j) for j, s in enumerate(seqs)]
+    distinct = sorted(set(source))
+    order = sorted(distinct, key=lambda j: (len(seqs[j][2]) + len(seqs[j][3]), j))
     chunks = _chunks(order, [len(s[2]) + len(s[3]) for s in seqs], chunk_size, chunk_tokens)
     was_training = model.training
     model.eval()
@@ -137,4 +142,4 @@ def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean
                 rows[n][idx] = cap.per_sequence[n].detach().float().cpu()
     finally:
         model.train(was_training)
-    return _split_labels(rows)
+    return _split_labels({n: r[source] for n, r in rows.items()})
