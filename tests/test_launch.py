@@ -61,9 +61,10 @@ def test_plans_of_several_sweeps_go_beside_each_sweep(tmp_path, monkeypatch):
 def test_study_parts_are_the_preregistered_arms_then_one_fold_per_mode():
     parts = preregistered.parts(presets.PRESETS["demo"], ["none", "erase"])
     assert parts[0] == preregistered.Part("main", "", preregistered.PREREGISTERED_ARMS)
-    # seed 002's arms and controls, no_pool and the positive control; every other arm only when asked
-    assert set(parts[0].arms) == {"none", "erase", "route", "random_V", "shuffled_V", "nonhack_V", "no_pool",
-                                  "gt_reward"}
+    # the plan's arms and controls, the label and energy-matched controls, no_pool and erase_no_pool (F5),
+    # the positive control; every other arm only when asked
+    assert set(parts[0].arms) == {"none", "erase", "route", "random_V", "shuffled_V", "nonhack_V", "within_V",
+                                  "energy_V", "no_pool", "erase_no_pool", "gt_reward"}
     every = preregistered.parts(presets.PRESETS["demo"], ["erase"], ["sentinel"], arms=list(experiment.ARMS))
     assert every[0].arms == tuple(experiment.ARMS)
     # the demo preset trains on all six modes: one fold each, in the environment's mode order
@@ -100,6 +101,8 @@ def test_arms_with_equal_configs_are_trained_once():
     arms = ["none", "erase", "no_pool", "gt_reward"]
     demo = experiment.plan(presets.PRESETS["demo"], arms, [0, 1], pathlib.Path("x"))
     assert preregistered.same_runs(demo) == {"no_pool": "none"}  # demo has mix 0: no_pool is none
+    with_erase = experiment.plan(presets.PRESETS["demo"], [*arms, "erase_no_pool"], [0], pathlib.Path("x"))
+    assert preregistered.same_runs(with_erase) == {"no_pool": "none", "erase_no_pool": "erase"}
     pool = experiment.plan(presets.PRESETS["demo-pool"], arms, [0, 1], pathlib.Path("x"))
     assert preregistered.same_runs(pool) == {}  # mix 0.5: no_pool drops the teacher rows
 
