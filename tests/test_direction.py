@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from projected_grpo.errors import UserError
 from projected_grpo.hack.direction import (
     CONTROLS,
     Direction,
@@ -99,13 +100,13 @@ def test_end_to_end_planted_direction_through_real_svd_knobs(tmp_path):
     v1 = d.V["o_proj"][0]
     assert torch.dot(v1, v_true) > 0.9
     # 4 of the 16 prompts (25%) held out; on them the real V separates hack from clean better than the
-    # random and the orientation controls (within / nonhack need two variants per prompt: not built)
+    # random and the orientation controls (within, nonhack and energy need two variants per prompt: with one
+    # pair per prompt the only within-prompt variation is the labelled contrast: not built)
     st = d.stats
     assert (st["n_train"], st["n_heldout"], st["heldout_prompts"]) == (12, 4, 4)
     chk = st["check"]
     assert chk["vs"]["random"]["beats"] and chk["vs"]["shuffled"]["beats"]
-    assert set(chk["unavailable"]) == {"within", "nonhack"}
-    assert chk["energy"]["energy"] == pytest.approx(chk["energy"]["real"], abs=1e-5)
+    assert set(chk["unavailable"]) == {"within", "nonhack", "energy"}
     # semantics of "+v hack-ward": a descent step along the hack-ward gradient (delta -= eta * v1)
     # raises log p(hack) - log p(clean)
     @torch.no_grad()
@@ -265,6 +266,8 @@ def test_smoke_model_extraction_is_well_formed_and_deterministic(smoke):
     assert d1.stats == d2.stats
     chk = d1.stats["check"]
     assert set(chk["vs"]) == {"random", "energy", "within", "shuffled", "nonhack"} and not chk["unavailable"]
+    # the energy control captures the real V's share of the fit completions' centred gradients
+    assert chk["energy"]["energy"] == pytest.approx(chk["energy"]["real"], abs=1e-5)
     # every control keeps the shapes; random and energy keep S; each is another V; all carry the same check
     for control in CONTROLS[1:]:
         dc = extract_direction(model, knobs, tok, pairs, S(k=3, control=control))
@@ -285,11 +288,13 @@ def test_smoke_model_extraction_is_well_formed_and_deterministic(smoke):
 
 def test_a_control_that_cannot_be_built_is_refused(smoke):
     model, knobs, tok, pairs = smoke
-    one_per_prompt = pairs[::2]  # one hack and one clean per prompt: no within-class pair
+    one_per_prompt = pairs[::2]  # one hack and one clean per prompt: no within-class pair, no energy control
     d = extract_direction(model, knobs, tok, one_per_prompt, S(k=2))
-    assert set(d.stats["check"]["unavailable"]) == {"within", "nonhack"}
-    with pytest.raises(ValueError, match="proj.control='within': within control: no prompt"):
+    assert set(d.stats["check"]["unavailable"]) == {"within", "nonhack", "energy"}
+    with pytest.raises(UserError, match="proj.control='within' cannot be built from these pairs: within"):
         extract_direction(model, knobs, tok, one_per_prompt, S(k=2, control="within"))
+    with pytest.raises(UserError, match="proj.control='energy' cannot be built from these pairs: energy"):
+        extract_direction(model, knobs, tok, one_per_prompt, S(k=2, control="energy"))
 
 
 def test_cli_smoke_prints_axes_and_the_check(capsys, tmp_path):
@@ -303,6 +308,6 @@ def test_cli_smoke_prints_axes_and_the_check(capsys, tmp_path):
     text = capsys.readouterr().out
     assert "cache" in text and "miss" in text and "12 held out from 6 prompts" in text
     assert "V_hack held-out separation" in text and "energy V" in text and "within V" in text
-    assert "share of the summed pair gradients inside span(V)" in text
+    assert "share of the completion gradients (centred per prompt) inside span(V)" in text
     assert "model.layers.0.self_attn.q_proj" in text and out.is_file()
     assert main(args) == 0 and ": hit" in capsys.readouterr().out

@@ -158,6 +158,18 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
     assert (out / "main" / "report.md").is_file() and (out / "lomo-sentinel" / "curves.png").is_file()
     assert json.loads((out / "lomo-sentinel" / "sweep.json").read_text())["lomo"] == "sentinel"
     assert "| none (without sentinel) | 1 |" in printed
+    # every projection arm's word with every falsifier: main's F6 reads the sentinel fold; the paired lines
+    # against each control twin; V_hack's held-out check beside its controls
+    main_md = md[md.index("### main"):md.index("### lomo-sentinel")]
+    erase = main_md[main_md.index("- erase: "):main_md.index("- route: ")]
+    for clause in ("H1", "F1", "F2", "F3", "F4", "F5", "F6", "F7"):
+        assert f"- {clause} (" in erase, clause
+    assert "F6 (capability lost on the held-out mode (its solve down > 15 pts)): " in erase
+    f6 = erase.split("F6 (")[1].split("\n")[0]
+    assert "sentinel" in f6 and "no leave-one-mode-out fold" not in f6  # decided, or: not drawn in 1 step
+    for twin in ("random_V", "shuffled_V", "nonhack_V", "within_V", "energy_V"):
+        assert f"- F4 (the arm ≈ control V {twin})" in erase and f"ours: paired vs {twin}: " in erase
+    assert "V_hack held-out separation" in main_md and "energy V" in main_md
     assert preregistered.main(argv) == 0  # resumes: every run finished, so all are skipped
     n = len(preregistered.PREREGISTERED_ARMS) + 2
     assert f"trained 0, resumed 0, skipped {n} as finished" in (out / "report.md").read_text()

@@ -14,6 +14,7 @@ from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
 from projected_grpo.hack.pairs import (
     Pair,
     builtin_pairs,
+    completions_by_prompt,
     load_pairs_file,
     nonhack_pairs,
     pairs_from_pool,
@@ -205,6 +206,13 @@ def test_split_heldout_holds_whole_prompts_out_by_hash():
     with pytest.raises(ValueError, match="frac"):
         split_heldout(pairs, 1.0)
     assert prompt_groups(held) == [0, 0, 0, 1, 1, 1]
+
+
+def test_completions_by_prompt_lists_each_distinct_completion_once():
+    pairs = [Pair("q1", "h1", "c1"), Pair("q2", "h", "c"), Pair("q1", "h2", "c1"), Pair("q1", "h1", "c2")]
+    # q1: h1 (pair 0), c1 (pair 0), h2 (pair 2), c2 (pair 3); q2: h, c (pair 1)
+    assert completions_by_prompt(pairs) == [[(0, "hack"), (0, "clean"), (2, "hack"), (3, "clean")],
+                                            [(1, "hack"), (1, "clean")]]
 
 
 def test_split_heldout_spreads_over_modes():

@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from projected_grpo.hack.pairs import Pair, shuffle_labels, within_pairs
-from projected_grpo.hack.subspace import capture, directions_from_grads, energy, orient, top_directions
+from projected_grpo.hack.subspace import (
+    capture,
+    centred,
+    directions_from_grads,
+    energy,
+    orient,
+    top_directions,
+)
 
 
 def planted_grads(seed: int, P: int = 40, R: int = 32, noise: float = 0.2):
@@ -149,3 +156,13 @@ def test_label_control_changes_the_span_the_orientation_control_does_not():
     # another subspace, nearly orthogonal to V (cosine of the smallest principal angle < 0.3)
     assert float((within @ e[0]).norm()) < 1e-5
     assert float(torch.linalg.matrix_norm(within @ V.T, ord=2)) < 0.3
+
+
+def test_centred_subtracts_each_prompts_mean_hand_computed():
+    # prompt 0: completions hack 0 (1, 0), clean 0 (3, 0), hack 1 (2, 3) -> mean (2, 1): rows (-1, -1),
+    # (1, -1), (0, 2); prompt 1: hack 2 (5, 5), clean 2 (1, 1) -> mean (3, 3): rows (2, 2), (-2, -2)
+    g_hack = {"m": torch.tensor([[1.0, 0.0], [2.0, 3.0], [5.0, 5.0]])}
+    g_clean = {"m": torch.tensor([[3.0, 0.0], [3.0, 0.0], [1.0, 1.0]])}
+    groups = [[(0, "hack"), (0, "clean"), (1, "hack")], [(2, "hack"), (2, "clean")]]
+    torch.testing.assert_close(centred(g_hack, g_clean, groups)["m"], torch.tensor(
+        [[-1.0, -1.0], [1.0, -1.0], [0.0, 2.0], [2.0, 2.0], [-2.0, -2.0]]))

@@ -133,8 +133,11 @@ def test_f6_fires_when_any_held_out_mode_loses_solving():
     c = V.held_out_lost({"sentinel": _mode(0.42, 0.0), "run_tests": _mode(0.40, 0.35)})
     assert c.state == "fires" and "sentinel 0.420 -> 0.000 (-42.0 pts)" in c.why
     assert V.held_out_lost({"run_tests": _mode(0.40, 0.35)}).state == "silent"
-    assert V.held_out_lost({"run_tests": None}).state == "undecided"
-    assert V.held_out_lost({}).state == "undecided"
+    c = V.held_out_lost({"run_tests": _mode(0.40, 0.35), "sentinel": None})
+    assert c.state == "silent" and c.why.endswith("; not measured at both ends: sentinel")
+    c = V.held_out_lost({"run_tests": None})
+    assert c.state == "undecided" and "did not draw the held-out mode" in c.why
+    assert V.held_out_lost({}).why == "no leave-one-mode-out fold of this arm in the sweep"
 
 
 # --- F7: hacks relearned orthogonal to V ------------------------------------------------------------

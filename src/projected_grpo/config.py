@@ -243,7 +243,7 @@ class ProjCfg:
     """V_hack negative control (`none` = the real V; docs/preregistration.md, "Controls"): `random`
     orthonormal; `shuffled` labels swapped per pair (orientation only: V's own span); `nonhack` clean vs
     clean; `within` hack vs hack and clean vs clean (the label control: another span); `energy` as much of
-    the pairs' summed gradient as the real V captures, from its top directions (hack/controls.py)"""
+    the pairs' completion gradients as the real V captures, from their top directions (hack/controls.py)"""
     pairs: str = ""
     """contrastive pairs file (JSON/JSONL: prompt, hack, clean[, ids]); empty = the environment's built-in
     pairs from its hack and clean templates"""

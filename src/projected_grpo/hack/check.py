@@ -80,7 +80,9 @@ def lines(check: Mapping) -> list[str]:
     out = [f"V_hack held-out separation (one-sided capture of held-out hack − clean gradients, mean over "
            f"{check['n_prompts']} held-out prompts / {check['n_pairs']} pairs, 95% t-interval):",
            f"  real V      {_fmt(check['scores']['real'])}"]
-    for c, v in check["vs"].items():
+    order = [c for c in CHECKED if c in check["vs"]] + sorted(set(check["vs"]) - set(CHECKED))
+    for c in order:  # CHECKED order (a stored check comes back with its keys sorted)
+        v = check["vs"][c]
         d = v["diff"]
         word = {True: "beats", False: "does NOT beat", None: "undecided vs"}[v["beats"]]
         p = "n/a" if v["p_holm"] is None else f"{v['p_holm']:.3g}"

@@ -7,12 +7,19 @@ replace V itself after the real extraction, keeping its shape (K rows per module
                   proj/cin_student 0.46 real against 0.20 random), so beating it may only mean the real V
                   lies along the directions training uses most (docs/preregistration.md, "Controls").
   energy_matched  a V as energetic as the real one without its label: per module, the top-K principal
-                  directions of the fit pairs' SUMMED gradients A = g_hack + g_clean (what gradients of
-                  such completions look like, hack or clean alike) rotated toward a random subspace
-                  orthogonal to them until it captures exactly the real V's share of A's energy
-                  (`subspace.energy`). Oriented by the same majority vote of D as the real V, so only the
-                  subspace differs.
-How energy_matched matches, exactly: with M = AᵀA, U its top-K eigenvectors (rows) and W K orthonormal rows
+                  directions of the fit pairs' completion gradients CENTRED PER PROMPT (C: each distinct
+                  completion's gradient minus its prompt's mean, hack and clean alike), rotated toward a
+                  random subspace orthogonal to them until it captures exactly the real V's share of C's
+                  energy (`subspace.energy`). Oriented by the same majority vote of D as the real V, so
+                  only the subspace differs.
+Why C: GRPO's advantages sum to zero within a group, so its gradient Σ adv_i ∇logp(o_i) lies in the span of
+the completions' gradients centred per prompt; C's principal directions are "the directions the policy
+gradient uses most", with no label in them. (The pairs' summed gradients g_hack + g_clean also carry the
+prompt's own gradient, which those advantages cancel: a V matched on them was measured on the demo organism
+to capture 0.21 of held-out pairs' sums against the real V's 0.31, while one matched on C captured 0.318
+against 0.312 of held-out C.) With one hack and one clean per prompt, C's rows are ±D/2: the only
+within-prompt variation is the labelled contrast, the control would be V itself, and it cannot be built.
+How energy_matched matches, exactly: with M = CᵀC, U its top-K eigenvectors (rows) and W K orthonormal rows
 orthogonal to U, the rows v_i = cos t·u_i + sin t·w_i are orthonormal and, since M u_i = λ_i u_i ⟂ w_i,
 energy(V) = cos²t·energy(U) + sin²t·energy(W): linear in cos²t, solved in closed form. W is a seeded random
 draw; when even that captures more than the real V, W is M's bottom-K eigenvectors, which capture the least
@@ -54,9 +61,9 @@ def _complement(U: Tensor, K: int, gen: torch.Generator) -> Tensor:
 
 
 def energy_matched_module(V: Tensor, A: Tensor, D: Tensor, gen: torch.Generator) -> tuple[Tensor, dict]:
-    """One module: V (K, R) the real rows, A (P, R) summed pair gradients, D (P, R) pair differences ->
-    (V_e (K, R) orthonormal, oriented by D's vote, with energy(A, V_e) = energy(A, V); stats: the energies
-    of the real V, the control, U (top-K) and W, and which W was used)."""
+    """One module: V (K, R) the real rows, A (N, R) the reference gradients (C of the module docstring), D
+    (P, R) pair differences -> (V_e (K, R) orthonormal, oriented by D's vote, with energy(A, V_e) =
+    energy(A, V); stats: the energies of the real V, the control, U (top-K) and W, and which W was used)."""
     K, R = V.shape
     if K == 0:
         return V.clone(), {"real": 0.0, "control": 0.0, "top": 0.0, "complement": 0.0, "w": "none"}
@@ -81,7 +88,8 @@ def energy_matched_module(V: Tensor, A: Tensor, D: Tensor, gen: torch.Generator)
 def energy_matched(V: Mapping[str, Tensor], A: Mapping[str, Tensor], D: Mapping[str, Tensor], seed: int
                    ) -> tuple[dict[str, Tensor], dict[str, dict]]:
     """Control `energy`: per module energy_matched_module (see the module docstring), modules in sorted order
-    for the seeded draws. V[name] (K, R), A[name] and D[name] (P, R) -> (V_e, per-module energy stats)."""
+    for the seeded draws. V[name] (K, R), A[name] (N, R) the reference gradients, D[name] (P, R) ->
+    (V_e, per-module energy stats)."""
     gen = torch.Generator().manual_seed(seed)
     out, stats = {}, {}
     for name in sorted(V):

@@ -3,7 +3,8 @@
 `extract_direction` holds whole prompts out of the fit (pairs.split_heldout), takes every needed pair's knob
 gradients once (knob_grads.py; the controls reuse the real pairs' completions), fits V on the fit pairs
 (subspace.py: SVD of D = g_hack − g_clean, majority-vote orientation), builds every negative control
-(pairs.py: shuffled, nonhack, within; controls.py: random, energy) and checks the real V against them on the
+(pairs.py: shuffled, nonhack, within; controls.py: random, and energy, matched on the fit completions'
+gradients centred per prompt) and checks the real V against them on the
 held-out pairs (check.py). It returns the V that `settings.control` names, with the check of the real V in its
 stats. Also here: safetensors storage with a checksum, and `resolve` (a cache keyed by model fingerprint,
 tokenizer, pairs hash and exactly the settings the extraction reads).
@@ -28,8 +29,15 @@ from projected_grpo.errors import UserError
 from projected_grpo.hack import check as C
 from projected_grpo.hack.controls import energy_matched, random_like
 from projected_grpo.hack.knob_grads import pair_grads
-from projected_grpo.hack.pairs import PAIR_CONTROLS, Pair, pairs_hash, prompt_groups, split_heldout
-from projected_grpo.hack.subspace import directions_from_grads, energy
+from projected_grpo.hack.pairs import (
+    PAIR_CONTROLS,
+    Pair,
+    completions_by_prompt,
+    pairs_hash,
+    prompt_groups,
+    split_heldout,
+)
+from projected_grpo.hack.subspace import centred, directions_from_grads, energy
 from projected_grpo.store import load_tensors, save_tensors, tokenizer_fingerprint
 
 FORMAT = "projected-grpo/v_hack/2"
@@ -116,64 +124,63 @@ def _grads(model, knobs, tokenizer, lists: dict[str, list[Pair]], settings: Extr
     return out
 
 
-def _fit_controls(G: dict, V: dict[str, Tensor], S: dict[str, Tensor], k: int, seed: int, unavailable: dict,
-                  names: Sequence[str]) -> dict[str, tuple[dict, dict, dict]]:
-    """control -> (V, S, stats) for each of `names` that can be built (else its reason goes to unavailable).
-    G: list name -> (g_hack, g_clean) of the fit pairs ("fit") and of each pair-level control."""
-    gh, gc = G["fit"]
-    A = {m: gh[m].float() + gc[m].float() for m in gh}  # (P, R) summed: the label-free gradients
-    D = {m: gh[m].float() - gc[m].float() for m in gh}
-    out = {}
-    for name in names:
-        if name == "random":
-            out[name] = (random_like(V, seed), S, {})
-        elif name == "energy":
-            try:
-                Ve, st = energy_matched(V, A, D, seed)
-            except ValueError as e:
-                unavailable[name] = str(e)
-                continue
-            out[name] = (Ve, S, {"energy_per_module": st})
-        elif name in G:
-            out[name] = directions_from_grads(*G[name], k)
-    return out
+def _control(name: str, seed: int, G: dict, V: dict[str, Tensor], S: dict[str, Tensor], k: int,
+             C_fit: dict[str, Tensor] | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(V, S) of control `name` drawn with `seed`. G: list name -> (g_hack, g_clean) of the fit pairs ("fit")
+    and of each pair-level control's pairs; C_fit: the fit completions' gradients centred per prompt, None
+    when every prompt has a single pair's two completions (the energy control cannot be built: ValueError)."""
+    if name == "random":
+        return random_like(V, seed), S
+    if name == "energy":
+        if C_fit is None:
+            raise ValueError("energy control: every prompt has one hack and one clean completion, so the "
+                             "only within-prompt variation is the labelled contrast itself and a label-free "
+                             "V of the same energy would be V; give several variants per prompt "
+                             "(pairs_per_problem >= 2)")
+        D = {m: G["fit"][0][m].float() - G["fit"][1][m].float() for m in V}
+        return energy_matched(V, C_fit, D, seed)[0], S
+    V_c, S_c, _ = directions_from_grads(*G[name], k)
+    return V_c, S_c
 
 
 def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSettings) -> Direction:
     """V_hack from `pairs` under `settings`: the V of settings.control (the real one for "none"), with the
     real V's held-out check against every control in its stats (see the module docstring)."""
     fit, held = split_heldout(list(pairs), settings.heldout_frac)
-    check_lists, unavailable = _pair_lists(fit, CHECK_SEED)
-    lists = {"fit": fit, "held": held, **check_lists}
-    control = settings.control
-    if control in PAIR_CONTROLS and control != "none":
-        if control in unavailable:
-            raise ValueError(f"proj.control={control!r}: {unavailable[control]}")
-        if control in SEEDED and settings.seed != CHECK_SEED:
-            lists["returned"] = PAIR_CONTROLS[control](fit, settings.seed)
-    G = _grads(model, knobs, tokenizer, {n: ps for n, ps in lists.items() if ps}, settings)
+    lists, unavailable = _pair_lists(fit, CHECK_SEED)
+    control, seed = settings.control, settings.seed
+    if control in lists and control in SEEDED and seed != CHECK_SEED:
+        lists["returned"] = PAIR_CONTROLS[control](fit, seed)
+    if control in unavailable:  # before the (slow) gradients
+        raise UserError(f"proj.control={control!r} cannot be built from these pairs: {unavailable[control]}")
+    every_list = {"fit": fit, "held": held, **lists}
+    G = _grads(model, knobs, tokenizer, {n: ps for n, ps in every_list.items() if ps}, settings)
     V, S, stats = directions_from_grads(*G["fit"], settings.k)
-    fitted = _fit_controls(G, V, S, settings.k, CHECK_SEED, unavailable, C.CHECKED)
-    if held:
-        D_held = {m: G["held"][0][m].float() - G["held"][1][m].float() for m in V}
-        check = C.separation(D_held, prompt_groups(held), V, {n: f[0] for n, f in fitted.items()},
-                             unavailable)
-    else:
-        check = C.separation({m: torch.zeros(0, v.shape[1]) for m, v in V.items()}, [], V, {}, unavailable)
-    A = {m: G["fit"][0][m].float() + G["fit"][1][m].float() for m in V}
-    A_held = {m: G["held"][0][m].float() + G["held"][1][m].float() for m in V} if held else None
+    groups = completions_by_prompt(fit)
+    C_fit = centred(*G["fit"], groups) if max(len(g) for g in groups) > 2 else None
+    fitted = {}
+    for name in C.CHECKED:
+        if name not in unavailable:
+            try:
+                fitted[name] = _control(name, CHECK_SEED, G, V, S, settings.k, C_fit)
+            except ValueError as e:
+                unavailable[name] = str(e)
+    held_D = {m: G["held"][0][m].float() - G["held"][1][m].float() for m in V} if held else \
+        {m: torch.zeros(0, v.shape[1]) for m, v in V.items()}
+    check = C.separation(held_D, prompt_groups(held), V, {n: f[0] for n, f in fitted.items()}, unavailable)
     every_v = [("real", V), *((n, f[0]) for n, f in fitted.items())]
-    check["energy"] = {n: _pooled_energy(A, v) for n, v in every_v}
-    if A_held is not None:
-        check["energy_heldout"] = {n: _pooled_energy(A_held, v) for n, v in every_v}
+    C_ref = C_fit if C_fit is not None else centred(*G["fit"], groups)
+    check["energy"] = {n: _pooled_energy(C_ref, v) for n, v in every_v}
+    if held:
+        C_held = centred(*G["held"], completions_by_prompt(held))
+        check["energy_heldout"] = {n: _pooled_energy(C_held, v) for n, v in every_v}
     if control != "none":
         if control in unavailable:
-            raise ValueError(f"proj.control={control!r}: {unavailable[control]}")
-        if control in SEEDED and settings.seed != CHECK_SEED:
-            G_ret = {**G, control: G["returned"]} if "returned" in G else G
-            V, S, _ = _fit_controls(G_ret, V, S, settings.k, settings.seed, {}, [control])[control]
-        else:
-            V, S, _ = fitted[control]
+            raise UserError(f"proj.control={control!r} cannot be built from these pairs: "
+                            f"{unavailable[control]}")
+        G_ret = {**G, control: G["returned"]} if "returned" in G else G
+        V, S = fitted[control] if seed == CHECK_SEED or control not in SEEDED else _control(
+            control, seed, G_ret, V, S, settings.k, C_fit)
     stats |= {"n_pairs": len(pairs), "n_train": len(fit), "n_heldout": len(held),
               "heldout_prompts": len(set(prompt_groups(held))), "check": check}
     meta = cache_meta(settings, knobs, tokenizer, pairs)

@@ -99,6 +99,17 @@ def split_heldout(pairs: Sequence[Pair], frac: float) -> tuple[list[Pair], list[
     return ([p for p in pairs if _prompt_key(p) not in held], [p for p in pairs if _prompt_key(p) in held])
 
 
+def completions_by_prompt(pairs: Sequence[Pair]) -> list[list[tuple[int, str]]]:
+    """Per distinct prompt (first-appearance order) its distinct completions, hack and clean alike, each as
+    (index of the first pair holding it, "hack" or "clean"): where to find each one's gradient once."""
+    by_prompt: dict[str, dict[tuple, tuple[int, str]]] = {}
+    for i, p in enumerate(pairs):
+        seen = by_prompt.setdefault(_prompt_key(p), {})
+        for side in ("hack", "clean"):
+            seen.setdefault(_side(p, side), (i, side))
+    return [list(seen.values()) for seen in by_prompt.values()]
+
+
 def prompt_groups(pairs: Sequence[Pair]) -> list[int]:
     """Per pair the index of its prompt among the distinct prompts, in order of first appearance: the
     clusters of a held-out score (pairs of one prompt are not independent)."""

@@ -8,13 +8,14 @@ projection's one-sided gate removes relu(V·g) and so needs +v to point hack-war
   top_directions   D (P, R) -> V (K, R), S (K,): SVD, rank cut, orientation
   orient           flip V's rows to the majority vote of D's rows (also used by the controls)
   energy           ‖X Vᵀ‖²_F / ‖X‖²_F: the share of a gradient set's energy inside span(V), both signs
+  centred          each prompt's completion gradients minus the prompt's mean (the span GRPO's gradient is in)
   capture          per row ‖relu(V x)‖² and ‖x‖², pooled over modules: the one-sided gate's own measure
 Deliberately not here: the gradients (knob_grads.py), the controls (controls.py), storage (direction.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -80,6 +81,22 @@ def energy(X: Tensor, V: Tensor) -> float:
     span(V), both signs (0 for X = 0)."""
     total = float(X.float().square().sum())
     return float((X.float() @ V.float().T).square().sum()) / total if total > 0 else 0.0
+
+
+def centred(g_hack: Mapping[str, Tensor], g_clean: Mapping[str, Tensor],
+            groups: Sequence[Sequence[tuple[int, str]]]) -> dict[str, Tensor]:
+    """Per module the completions' gradients centred per prompt: for each group (one prompt's distinct
+    completions as (pair index, "hack" / "clean"), pairs.completions_by_prompt) the rows of g_hack[m] (P, R)
+    or g_clean[m] they name, minus their mean. GRPO's advantages sum to zero within a group, so its gradient
+    lies in the span of these rows. Returns module -> (N, R), N = the number of completions."""
+    out = {}
+    for m in g_hack:
+        rows = []
+        for group in groups:
+            X = torch.stack([(g_hack if side == "hack" else g_clean)[m][i].float() for i, side in group])
+            rows.append(X - X.mean(0))
+        out[m] = torch.cat(rows) if rows else g_hack[m].new_zeros((0, g_hack[m].shape[1]))
+    return out
 
 
 def capture(X: Mapping[str, Tensor], V: Mapping[str, Tensor]) -> Tensor:

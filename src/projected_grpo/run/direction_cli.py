@@ -1,9 +1,9 @@
 """`projected-grpo extract-direction`: extract V_hack (direction.py) for a preset's (or --model's) model and
 print per module the kept axes and singular values, then V's held-out check: its separation of held-out hack
 from clean gradients beside every control's, with intervals (hack/check.py), and how much of the pairs'
-summed gradient each V captures. Settings are the run's own `--proj.*` fields (k, heldout_frac, nll_norm,
-control, pairs, pairs_per_problem, require_check), so a direction extracted here is the one `train` would use
-with the same flags.
+completion gradients, centred per prompt, each V captures. Settings are the run's own `--proj.*` fields (k,
+heldout_frac, nll_norm, control, pairs, pairs_per_problem, require_check), so a direction extracted here is
+the one `train` would use with the same flags.
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def main(argv: list[str]) -> int:
     chk = stats["check"]
     order = ["real", *CHECKED]
     shown = lambda e: " ".join(f"{n} {e[n]:.3f}" for n in order if n in e)
-    print(f"share of the summed pair gradients inside span(V), both signs (the energy control is matched on "
-          f"the fit pairs'): fit pairs {shown(chk['energy'])}")
+    print(f"share of the completion gradients (centred per prompt) inside span(V), both signs (the energy "
+          f"control is matched on the fit pairs'): fit pairs {shown(chk['energy'])}")
     if "energy_heldout" in chk:
         print(f"  held-out pairs {shown(chk['energy_heldout'])}")
     print(hack_resolve.check_report(cfg, d)[0])  # under --proj.require-check a failed check exits 2

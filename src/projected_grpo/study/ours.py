@@ -95,8 +95,9 @@ class Contrast:
     def line(self) -> str:
         iv = self.gap.interval
         n = len(self.gap.keys)
-        ci = "no interval (1 seed)" if iv.lo is None else (
-            f"95% t-interval [{100 * -iv.hi:+.1f}, {100 * -iv.lo:+.1f}] pts over {n} paired seeds")
+        lo, hi = (None, None) if iv.lo is None else (100 * -iv.hi + 0.0, 100 * -iv.lo + 0.0)  # arm − other
+        ci = ("no interval (1 seed)" if lo is None else
+              f"95% t-interval [{lo:+.1f}, {hi:+.1f}] pts over {n} paired seeds")
         word = {True: "beats", False: "does NOT beat", None: "undecided against"}[self.beats]
         p = "" if self.p_holm is None else f", Holm p {self.p_holm:.3g} (of {self.m})"
         need = self.seeds_needed

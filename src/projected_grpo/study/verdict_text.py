@@ -69,7 +69,7 @@ def arm_verdict(t: Tables, arm: str, folds: Folds | None = None) -> V.Prereg:
     f4 = [V.like_control(end, t.end[twin], twin, kind, info.gate) for kind, twin in tw.items()] or [
         V.Clause("F4", "the arm ≈ a control V", "undecided", "no control twin of this arm in the sweep")]
     npool = arm + NO_POOL
-    f6 = {m: fold.get(arm, {}).get(m) for m, fold in (folds or {}).items()}
+    f6 = {m: fold[arm].get(m) for m, fold in (folds or {}).items() if arm in fold}
     return V.prereg(base, end, [
         f3, *f4,
         V.imitation_only(end, info.teacher_rows, t.end.get("no_pool"), t.end.get(npool), npool),
@@ -103,12 +103,13 @@ def lines(t: Tables, folds: Folds | None = None) -> list[str]:
     contrasts = family(t)
     for arm in verdict_arms(t):
         p, info = arm_verdict(t, arm, folds), t.info[arm]
-        fired = [c.name for c in p.clauses if c.state == "fires"]
+        fired = list(dict.fromkeys(c.name for c in p.clauses if c.state == "fires"))  # F4 once
         role = "" if info.control == "none" else (f"; a control (proj.control {info.control}): H1's clauses "
                                                   "only")
         out.append(f"{arm}: {p.word.upper()} (preregistered H1 and its falsifiers"
                    + (f"; fired: {', '.join(fired)}" if fired else "")
-                   + (f"; undecided: {', '.join(p.undecided)}" if p.undecided else "") + f"{role})")
+                   + (f"; undecided: {', '.join(dict.fromkeys(p.undecided))}" if p.undecided else "")
+                   + f"{role})")
         out += [f"  {c.line()}" for c in p.clauses]
         if arm not in t.start:
             continue

@@ -181,16 +181,22 @@ def imitation_only(arm: Mapping[str, Stat], teacher_rows: bool | None, no_pool: 
 
 def held_out_lost(folds: Mapping[str, Mapping[str, Stat] | None]) -> Clause:
     """F6. folds: held-out mode -> the arm's rates on that mode in its leave-one-mode-out fold
-    ({solve_start, solve_end, ...} Stats), None when the arm did not train in that fold."""
+    ({solve_start, solve_end, ...} Stats), None when the fold's runs did not draw the mode in both their
+    first and last steps; a fold without the arm is not in `folds`."""
     rule = f"capability lost on the held-out mode (its solve down > {100 * FALSIFY_SOLVE_DROP:.0f} pts)"
-    got = {m: st for m, st in folds.items() if st is not None}
-    if not got:
+    if not folds:
         return Clause("F6", rule, "undecided", "no leave-one-mode-out fold of this arm in the sweep")
+    got = {m: st for m, st in folds.items() if st is not None}
+    unmeasured = [m for m, st in folds.items() if st is None]
+    note = (f"; not measured at both ends: {', '.join(unmeasured)}" if unmeasured else "")
+    if not got:
+        return Clause("F6", rule, "undecided", "the folds' runs did not draw the held-out mode in both "
+                      f"their first and last steps ({', '.join(unmeasured)})")
     change = {m: st["solve_end"].mean - st["solve_start"].mean for m, st in got.items()}
     lost = [m for m, c in change.items() if c < -FALSIFY_SOLVE_DROP - EPS]
     return _fires("F6", rule, bool(lost), "; ".join(
         f"{m} {st['solve_start'].mean:.3f} -> {st['solve_end'].mean:.3f} ({pts(change[m])})"
-        for m, st in got.items()))
+        for m, st in got.items()) + note)
 
 
 def relearned(arm: Mapping[str, Stat], start: Mapping[str, Stat] | None, projects: bool) -> Clause:
