@@ -8,6 +8,7 @@ from __future__ import annotations
 from projected_grpo import config as C
 from projected_grpo import presets
 from projected_grpo.study import arms, bench
+from projected_grpo.study.tables import Tables
 from projected_grpo.study.verdicts import FORMAT, HACK, SOLVE, Stat
 
 
@@ -39,8 +40,14 @@ def test_table_rows_labels_and_twin():
            "screen:direction": rates(0.30, 0.2, 0.8), "screen:direction@random": rates(0.70, 0.2, 0.8),
            "inoculation": rates(0.78, 0.1, 0.83)}
     start = {a: START for a in end}
-    md = bench.table(end, start, ["penalty:ground_truth", "screen:direction", "screen:direction@random",
-                                  "inoculation"])
+    # per seed: screen:direction hacks 0.28 / 0.30 / 0.32, its random twin 0.68 / 0.70 / 0.72, so the paired
+    # gap is 0.40 on every seed (sd 0): the real V beats its twin by 40 points, Holm p ~0 (one contrast)
+    seeds = {a: {s: {HACK: st[HACK].mean, SOLVE: st[SOLVE].mean} for s in range(3)} for a, st in end.items()}
+    seeds["screen:direction"] = {s: {HACK: 0.28 + 0.02 * s, SOLVE: 0.2} for s in range(3)}
+    seeds["screen:direction@random"] = {s: {HACK: 0.68 + 0.02 * s, SOLVE: 0.2} for s in range(3)}
+    t = Tables(runs={}, end=end, start=start, seeds=seeds, modes={}, info={}, checks={})
+    md = bench.table(t, ["penalty:ground_truth", "screen:direction", "screen:direction@random",
+                         "inoculation"])
     lines = md.splitlines()
     assert lines[0].startswith("| intervention | monitor | labels | seeds | hack |")
     assert lines[2].startswith("| none | - | none | 3 | 0.800 ± 0.010 |") and "(baseline)" in lines[2]
@@ -49,7 +56,7 @@ def test_table_rows_labels_and_twin():
     assert pen.startswith("| penalty | ground_truth | per-sample | 3 |") and bench.KEPT in pen
     assert "| -75.0 | -5.0, -1.0 |" in pen  # hack vs none; solve, well-formed vs gt_reward
     scr = lines[5]
-    assert scr.startswith("| screen | direction | pairs |") and "beats (-40.0)" in scr
+    assert scr.startswith("| screen | direction | pairs |") and "beats (-40.0, Holm p" in scr
     assert lines[6].startswith("| screen | direction@random | pairs |")  # still thresholds on the pairs
     assert lines[7].startswith("| inoculation | - | none |") and bench.NO_EFFECT in lines[7]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import pathlib
+import re
 
 import pytest
 
@@ -18,12 +19,19 @@ from projected_grpo.study import arms, experiment, launch, report
 
 def write_run(d: pathlib.Path, hack: list[float], solve: list[float], cin_t: float = 0.5,
               finished: bool = True, deploy: tuple | str | None = None, fmt: float = 0.8,
-              extra: list[dict] | None = None) -> pathlib.Path:
-    """A hand-made run dir: one metrics row per step (every REQUIRED_METRICS key), summary.json.
+              extra: list[dict] | None = None, seed: int | None = None, cfg: dict | None = None
+              ) -> pathlib.Path:
+    """A hand-made run dir: config.json, one metrics row per step (every REQUIRED_METRICS key), summary.json.
     deploy: (hack, solve) of the deployed model per step; default = the student's, as train logs them
     while the quarantine knob is zero; "none" = a run written before hack/deploy was logged.
-    fmt: format/deploy, the deployed model's well-formed-answer rate. extra: more keys per step."""
+    fmt: format/deploy, the deployed model's well-formed-answer rate. extra: more keys per step.
+    seed: run.seed (default: the directory name's trailing digits, else 0: `n1` is seed 1); cfg: config
+    sections changed from the smoke preset (e.g. {"proj": {"arm": "erase"}})."""
     d.mkdir(parents=True)
+    digits = re.search(r"(\d+)$", d.name)
+    seed = seed if seed is not None else int(digits.group(1)) if digits else 0
+    store.write_json_atomic(d / "config.json", C.replace(presets.PRESETS["smoke"], run={"seed": seed},
+                                                         **(cfg or {})).to_dict())
     with metrics.MetricsLogger(d) as log:
         for step, (h, s) in enumerate(zip(hack, solve)):
             row = {k: 0.0 for k in metrics.REQUIRED_METRICS}
@@ -160,9 +168,10 @@ def test_random_twin_arms_share_every_setting_but_the_direction(tmp_path):
         assert arms.arm_sections(bad) is None, bad
     with pytest.raises(UserError, match="unknown \\['none@random'\\]"):
         experiment.plan(presets.PRESETS["smoke"], ["none@random"], [0], tmp_path)
-    assert arms.control_twins(["none", "erase", "random_V", "route", "route@random"]) == {
-        "route": "route@random", "erase": "random_V"}
-    assert arms.control_twins(["erase", "erase@random", "random_V"]) == {"erase": "erase@random"}
+    assert arms.arm_sections("within_V") == arms.arm_sections("erase@within")
+    assert arms.arm_sections("energy_V") == arms.arm_sections("erase@energy")
+    assert arms.arm_sections("erase_no_pool") == {"proj": {"arm": "erase", "control": "none"},
+                                                        "rollout": {"mix": 0.0}}
 
 
 def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):

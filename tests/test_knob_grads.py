@@ -175,3 +175,21 @@ def test_smoke_model_matches_an_ordinary_backward(smoke, tmp_path):
     (-(logp.sum() / batch.completion_mask.sum())).backward()
     for n, g in knobs.grads("main").items():
         torch.testing.assert_close(g_hack[n][0], g.float(), atol=1e-6, rtol=1e-4)
+
+
+def test_repeated_sequences_are_computed_once(tmp_path, monkeypatch):
+    # the controls reuse the real pairs' completions: pairs 0-3 repeated three times give the same rows,
+    # from one forward per distinct (prompt, completion): 4 pairs x 2 labels = 8 sequences, not 24
+    from projected_grpo.hack import knob_grads
+
+    model, knobs = toy(tmp_path)
+    packed = []
+    real_pack = knob_grads.pack
+    monkeypatch.setattr(knob_grads, "pack", lambda p, c, pad: packed.append(len(p)) or real_pack(p, c, pad))
+    once = pair_grads(model, knobs, TOK, toy_pairs(4))
+    n_once = sum(packed)
+    thrice = pair_grads(model, knobs, TOK, toy_pairs(4) * 3)
+    assert n_once == 8 and sum(packed) - n_once == 8
+    for a, b in zip(once, thrice):
+        for n in a:
+            assert torch.equal(b[n], a[n].repeat(3, 1))

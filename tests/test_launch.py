@@ -61,9 +61,10 @@ def test_plans_of_several_sweeps_go_beside_each_sweep(tmp_path, monkeypatch):
 def test_study_parts_are_the_preregistered_arms_then_one_fold_per_mode():
     parts = preregistered.parts(presets.PRESETS["demo"], ["none", "erase"])
     assert parts[0] == preregistered.Part("main", "", preregistered.PREREGISTERED_ARMS)
-    # seed 002's arms and controls, no_pool and the positive control; every other arm only when asked
-    assert set(parts[0].arms) == {"none", "erase", "route", "random_V", "shuffled_V", "nonhack_V", "no_pool",
-                                  "gt_reward"}
+    # the plan's arms and controls, the label and energy-matched controls, no_pool and erase_no_pool (F5),
+    # the positive control; every other arm only when asked
+    assert set(parts[0].arms) == {"none", "erase", "route", "random_V", "shuffled_V", "nonhack_V", "within_V",
+                                  "energy_V", "no_pool", "erase_no_pool", "gt_reward"}
     every = preregistered.parts(presets.PRESETS["demo"], ["erase"], ["sentinel"], arms=list(experiment.ARMS))
     assert every[0].arms == tuple(experiment.ARMS)
     # the demo preset trains on all six modes: one fold each, in the environment's mode order
@@ -119,6 +120,8 @@ def test_arms_with_equal_configs_are_trained_once():
     arms = ["none", "erase", "no_pool", "gt_reward"]
     demo = experiment.plan(presets.PRESETS["demo"], arms, [0, 1], pathlib.Path("x"))
     assert preregistered.same_runs(demo) == {"no_pool": "none"}  # demo has mix 0: no_pool is none
+    with_erase = experiment.plan(presets.PRESETS["demo"], [*arms, "erase_no_pool"], [0], pathlib.Path("x"))
+    assert preregistered.same_runs(with_erase) == {"no_pool": "none", "erase_no_pool": "erase"}
     pool = experiment.plan(presets.PRESETS["demo-pool"], arms, [0, 1], pathlib.Path("x"))
     assert preregistered.same_runs(pool) == {}  # mix 0.5: no_pool drops the teacher rows
 
@@ -180,6 +183,18 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
     assert (out / "main" / "report.md").is_file() and (out / "lomo-sentinel" / "curves.png").is_file()
     assert json.loads((out / "lomo-sentinel" / "sweep.json").read_text())["lomo"] == "sentinel"
     assert "| none (without sentinel) | 1 |" in printed
+    # every projection arm's word with every falsifier: main's F6 reads the sentinel fold; the paired lines
+    # against each control twin; V_hack's held-out check beside its controls
+    main_md = md[md.index("### main"):md.index("### lomo-sentinel")]
+    erase = main_md[main_md.index("- erase: "):main_md.index("- route: ")]
+    for clause in ("H1", "F1", "F2", "F3", "F4", "F5", "F6", "F7"):
+        assert f"- {clause} (" in erase, clause
+    assert "F6 (capability lost on the held-out mode (its solve down > 15 pts)): " in erase
+    f6 = erase.split("F6 (")[1].split("\n")[0]
+    assert "sentinel" in f6 and "no leave-one-mode-out fold" not in f6  # decided, or: not drawn in 1 step
+    for twin in ("random_V", "shuffled_V", "nonhack_V", "within_V", "energy_V"):
+        assert f"- F4 (the arm ≈ control V {twin})" in erase and f"ours: paired vs {twin}: " in erase
+    assert "V_hack held-out separation" in main_md and "energy V" in main_md
     assert preregistered.main(argv) == 0  # resumes: every run finished, so all are skipped
     n = len(preregistered.PREREGISTERED_ARMS) + 2 + 2
     assert f"trained 0, resumed 0, skipped {n} as finished" in (out / "report.md").read_text()

@@ -16,7 +16,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "projected_grpo"
 # hack, organism; run; study; cli. A layer imports its own folder and the floors below it.
 BASE = {"store", "errors"}
 ALLOWED: dict[str, set[str]] = {
-    "store": {"errors"}, "errors": set(), "config": {"errors", "configio", "config_algos", "config_monitor"},
+    "store": {"errors"}, "errors": set(), "stats": set(),
+    "config": {"errors", "configio", "config_algos", "config_monitor"},
     "configio": {"errors"}, "config_algos": {"errors", "configio"},
     "config_monitor": {"errors", "configio"},
     "presets": {"config", "errors"}, "models": BASE,
@@ -24,11 +25,11 @@ ALLOWED: dict[str, set[str]] = {
     "knobs": {"knobs", "objective"} | BASE,
     "envs": {"envs"} | BASE,
     "sampling": {"sampling", "knobs", "objective", "envs"} | BASE,
-    "hack": {"hack", "sampling", "knobs", "objective", "envs", "config"} | BASE,
+    "hack": {"hack", "sampling", "knobs", "objective", "envs", "config", "stats"} | BASE,
     "organism": {"organism", "sampling", "envs", "objective"} | BASE,
     "run": {"run", "hack", "sampling", "knobs", "objective", "envs", "organism", "config", "presets",
             "models"} | BASE,
-    "study": {"study", "run", "hack", "sampling", "envs", "config", "presets"} | BASE,
+    "study": {"study", "run", "hack", "sampling", "envs", "config", "presets", "stats"} | BASE,
     "cli": {"errors"},
 }
 

@@ -14,12 +14,15 @@ from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS
 from projected_grpo.hack.pairs import (
     Pair,
     builtin_pairs,
-    heldout_shared_prompts,
+    completions_by_prompt,
     load_pairs_file,
     nonhack_pairs,
     pairs_from_pool,
     pairs_hash,
+    prompt_groups,
     shuffle_labels,
+    split_heldout,
+    within_pairs,
 )
 
 MSGS = [{"role": "user", "content": "add two numbers"}]
@@ -158,8 +161,66 @@ def test_nonhack_pairs_are_clean_vs_clean_of_the_same_prompt():
     # q1 has distinct cleans [c1a, c1b] -> (c1a, c1b), (c1b, c1a), cycled to 4 pairs; q2 has one clean
     assert [(p.prompt, p.hack, p.clean) for p in out] == [("q1", "c1a", "c1b"), ("q1", "c1b", "c1a"),
                                                          ("q1", "c1a", "c1b"), ("q1", "c1b", "c1a")]
-    with pytest.raises(ValueError, match="two distinct clean"):
+    with pytest.raises(ValueError, match="nonhack control: no prompt has two distinct"):
         nonhack_pairs([Pair("q1", "h", "c"), Pair("q2", "h", "c")])
+
+
+def test_within_pairs_are_hack_vs_hack_and_clean_vs_clean_of_the_same_prompt():
+    pairs = [Pair("q1", "h1", "c1"), Pair("q1", "h2", "c2"), Pair("q1", "h3", "c1"), Pair("q2", "h", "c"),
+             Pair("q3", "g1", "d"), Pair("q3", "g2", "d")]
+    out = within_pairs(pairs)
+    # q1: hacks h1 h2 h3 -> (h1,h2) (h2,h3) (h3,h1), cleans c1 c2 -> (c1,c2) (c2,c1); q2: one of each, none;
+    # q3: hacks g1 g2 -> (g1,g2) (g2,g1), one clean; 7 rows, cut to the 6 pairs given
+    assert [(p.prompt, p.hack, p.clean) for p in out] == [
+        ("q1", "h1", "h2"), ("q1", "h2", "h3"), ("q1", "h3", "h1"), ("q1", "c1", "c2"), ("q1", "c2", "c1"),
+        ("q3", "g1", "g2")]
+    # no row contrasts a hack with a clean completion: the label is gone
+    hacks, cleans = {p.hack for p in pairs}, {p.clean for p in pairs}
+    assert all({p.hack, p.clean} <= hacks or {p.hack, p.clean} <= cleans for p in out)
+    assert len(within_pairs(pairs[:1] * 3 + pairs[1:2])) == 4  # cycled to len(pairs)
+    with pytest.raises(ValueError, match="within control: no prompt has two distinct"):
+        within_pairs([Pair("q1", "h", "c"), Pair("q2", "h", "c")])
+
+
+def test_within_pairs_keep_stored_ids():
+    pairs = [Pair("q", "h1", "c", prompt_ids=(5,), hack_ids=(1,), clean_ids=(3,)),
+             Pair("q", "h2", "c", prompt_ids=(5,), hack_ids=(2,), clean_ids=(3,))]
+    a, b = within_pairs(pairs)
+    assert (a.prompt_ids, a.hack_ids, a.clean_ids) == ((5,), (1,), (2,))
+    assert (b.prompt_ids, b.hack_ids, b.clean_ids) == ((5,), (2,), (1,))
+
+
+def test_split_heldout_holds_whole_prompts_out_by_hash():
+    pairs = [Pair(f"q{i // 3}", f"h{i}", f"c{i}") for i in range(30)]  # 10 prompts x 3 pairs
+    fit, held = split_heldout(pairs, 0.25)
+    # round(0.25 * 10) = 2 prompts (6 pairs) held out; no prompt on both sides; order kept
+    assert len(held) == 6 and len(fit) == 24
+    assert not {p.prompt for p in fit} & {p.prompt for p in held}
+    assert fit == [p for p in pairs if p in fit] and held == [p for p in pairs if p in held]
+    assert split_heldout(pairs, 0.25) == (fit, held)  # seed-free, deterministic
+    assert split_heldout(pairs, 0.0) == (pairs, [])
+    assert len(split_heldout(pairs, 0.01)[1]) == 3  # frac > 0 holds out one prompt at least
+    one = [Pair("q", "h", "c"), Pair("q", "h2", "c2")]
+    assert split_heldout(one, 0.5) == (one, [])  # one prompt: always fit
+    assert len(split_heldout(pairs, 0.99)[0]) == 3  # at least one prompt is fit
+    with pytest.raises(ValueError, match="frac"):
+        split_heldout(pairs, 1.0)
+    assert prompt_groups(held) == [0, 0, 0, 1, 1, 1]
+
+
+def test_completions_by_prompt_lists_each_distinct_completion_once():
+    pairs = [Pair("q1", "h1", "c1"), Pair("q2", "h", "c"), Pair("q1", "h2", "c1"), Pair("q1", "h1", "c2")]
+    # q1: h1 (pair 0), c1 (pair 0), h2 (pair 2), c2 (pair 3); q2: h, c (pair 1)
+    assert completions_by_prompt(pairs) == [[(0, "hack"), (0, "clean"), (2, "hack"), (3, "clean")],
+                                            [(1, "hack"), (1, "clean")]]
+
+
+def test_split_heldout_spreads_over_modes():
+    # the hash order, not the problems' order (which cycles through the six modes): on the built-in pairs
+    # the held-out quarter is not one mode
+    pairs = builtin_pairs(ENV, BUILTIN_PROBLEMS, per_problem=3)
+    _, held = split_heldout(pairs, 0.25)
+    assert len({p.source.split(":")[2] for p in held}) >= 3
 
 
 def test_pairs_hash_tracks_content_not_source():
@@ -171,15 +232,6 @@ def test_pairs_hash_tracks_content_not_source():
 
 
 # --- built-in source ------------------------------------------------------------------------------
-
-
-def test_heldout_shared_prompts_counts_held_out_pairs_whose_prompt_was_fit():
-    # 3 pairs per problem: holding out 2 leaves the last problem's first pair in the fit set -> 2 shared;
-    # holding out 3 (a whole problem) or 6 -> 0; 4 -> the one extra pair of the second-to-last problem
-    pairs = builtin_pairs(ENV, BUILTIN_PROBLEMS, per_problem=3)
-    assert [heldout_shared_prompts(pairs, n) for n in (0, 2, 3, 4, 6)] == [0, 2, 0, 1, 0]
-    text = [Pair("p", "h", "c"), Pair("q", "h", "c"), Pair("p", "h2", "c2")]
-    assert heldout_shared_prompts(text, 1) == 1 and heldout_shared_prompts(text, 2) == 1
 
 
 def test_builtin_pairs_vary_and_use_the_training_prompt():
@@ -195,6 +247,7 @@ def test_builtin_pairs_vary_and_use_the_training_prompt():
     assert len({p.clean for p in pairs}) > len(BUILTIN_PROBLEMS)
     assert all(p.hack != p.clean for p in pairs)
     assert len(nonhack_pairs(pairs)) == len(pairs)  # the nonhack control works on built-in pairs
+    assert len(within_pairs(pairs)) == len(pairs)  # and the within one
 
 
 def test_builtin_pairs_skip_problems_without_templates_and_refuse_none():

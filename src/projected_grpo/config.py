@@ -238,23 +238,23 @@ class ProjCfg:
     v_path: str = ""
     """V_hack safetensors file; empty = extract from `pairs` (or the environment's built-in pairs) into the
     cache, keyed by model, tokenizer, pairs and the extraction settings below (hack/direction.py)"""
-    control: Literal["none", "random", "shuffled", "nonhack"] = "none"
-    """V_hack negative control (`none` = the real one): random orthonormal, shuffled labels, clean pairs"""
+    control: Literal["none", "random", "shuffled", "nonhack", "within", "energy"] = "none"
+    """V_hack negative control (`none` = the real V; docs/preregistration.md, "Controls"): `random`
+    orthonormal; `shuffled` labels swapped per pair (orientation only: V's own span); `nonhack` clean vs
+    clean; `within` hack vs hack and clean vs clean (the label control: another span); `energy` as much of
+    the pairs' completion gradients as the real V captures, from their top directions (hack/controls.py)"""
     pairs: str = ""
     """contrastive pairs file (JSON/JSONL: prompt, hack, clean[, ids]); empty = the environment's built-in
     pairs from its hack and clean templates"""
     pairs_per_problem: int = 3
     """extraction: built-in contrastive pairs per problem (hack/pairs.py builtin_pairs)"""
     k: int = 4
-    """extraction: top-k singular directions kept per module"""
-    k_use: int = 4
-    """load: rows of V used per module (k-ablation)"""
-    tau_axis: float = 0.0
-    """extraction: zero axes with S_i / S_0 below this"""
-    drop_bottom_frac: float = 0.0
-    """load: global noise floor, drop rows under this quantile of all singular values"""
-    n_heldout: int = 2
-    """extraction: pairs held out for the held-out score"""
+    """extraction: top-k singular directions kept per module (every one is used)"""
+    heldout_frac: float = 0.25
+    """extraction: share of the pairs' prompts held out of the fit (whole prompts) for V's held-out check
+    against its controls (hack/check.py)"""
+    require_check: bool = False
+    """refuse to train when V_hack does not beat its controls on the held-out pairs (else a loud warning)"""
     nll_norm: Literal["mean", "constant"] = "mean"
     """extraction NLL normalisation: per-completion mean or the training loss's constant
     denominator G * max_new_tokens * prompts_per_step (the Dr.GRPO aggregation's, docs/losses.md)"""
@@ -263,13 +263,13 @@ class ProjCfg:
 
     def __post_init__(self) -> None:
         _check(self)
-        _positive(self, "k", "k_use", "pairs_per_problem")
-        _positive(self, "tau_axis", "n_heldout", "refresh_every", allow_zero=True)
+        _positive(self, "k", "pairs_per_problem")
+        _positive(self, "refresh_every", allow_zero=True)
         if self.purge_moments and self.gate == "reverse":
             raise UserError("config: ProjCfg.purge_moments needs gate in ['one_sided', 'no_gate'], "
                              "got 'reverse'")
-        if not 0.0 <= self.drop_bottom_frac < 1.0:
-            raise UserError(f"config: ProjCfg.drop_bottom_frac={self.drop_bottom_frac!r} must be in [0, 1)")
+        if not 0.0 <= self.heldout_frac < 1.0:
+            raise UserError(f"config: ProjCfg.heldout_frac={self.heldout_frac!r} must be in [0, 1)")
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,15 @@
-"""Hack-direction extraction (V_hack): per-module SVD of paired knob-gradient differences.
+"""Hack-direction extraction (V_hack): from contrastive pairs to per-module hack directions, checked, cached.
 
-The GRPO step on one perfectly labelled pair (adv_hack = +1, adv_clean = -1, no clip) is
-∇NLL(hack) − ∇NLL(clean), so per pair and label we take the gradient of that completion's
-NLL alone on the knobs (batched, knob_grads.py), stack D = g_hack − g_clean (P × R) per module, and
-keep the top-k right singular vectors (top-k, not the mean difference: hacks are multi-modal, CHaRS,
-Abdullaev 2025), each oriented hack-ward by per-pair majority vote, because the projection's one-sided
-gate removes relu(V·g) and so needs +v to point hack-ward. Also: load-time post-processing (k_use,
-global noise floor), the `random` control (the pair-level controls are in pairs.py), safetensors
-storage with a checksum, and `resolve` (a cache keyed by model fingerprint, pairs hash and settings).
-Deliberately not here: applying V to training gradients (projection.py), the gradients themselves
-(knob_grads.py), the `extract-direction` CLI (direction_cli.py).
+`extract_direction` holds whole prompts out of the fit (pairs.split_heldout), takes every needed pair's knob
+gradients once (knob_grads.py; the controls reuse the real pairs' completions), fits V on the fit pairs
+(subspace.py: SVD of D = g_hack − g_clean, majority-vote orientation), builds every negative control
+(pairs.py: shuffled, nonhack, within; controls.py: random, and energy, matched on the fit completions'
+gradients centred per prompt) and checks the real V against them on the
+held-out pairs (check.py). It returns the V that `settings.control` names, with the check of the real V in its
+stats. Also here: safetensors storage with a checksum, and `resolve` (a cache keyed by model fingerprint,
+tokenizer, pairs hash and exactly the settings the extraction reads).
+Deliberately not here: applying V to training gradients (projection.py), the math (subspace.py), the
+`extract-direction` CLI (run/direction_cli.py).
 """
 
 from __future__ import annotations
@@ -26,39 +26,44 @@ import torch
 from torch import Tensor
 
 from projected_grpo.errors import UserError
-from projected_grpo.hack.knob_grads import NLL_NORMS, pair_grads
-from projected_grpo.hack.pairs import PAIR_CONTROLS, Pair, heldout_shared_prompts, pairs_hash
+from projected_grpo.hack import check as C
+from projected_grpo.hack.controls import energy_matched, random_like
+from projected_grpo.hack.knob_grads import pair_grads
+from projected_grpo.hack.pairs import (
+    PAIR_CONTROLS,
+    Pair,
+    completions_by_prompt,
+    pairs_hash,
+    prompt_groups,
+    split_heldout,
+)
+from projected_grpo.hack.subspace import centred, directions_from_grads, energy
 from projected_grpo.store import load_tensors, save_tensors, tokenizer_fingerprint
 
-FORMAT = "projected-grpo/v_hack/1"
-# Axes whose singular value is below this fraction of S_0 span D's numerical null space: their
-# direction is arbitrary (P < K pairs, duplicated pairs), so they are never kept.
-RANK_RTOL = 1e-6
+FORMAT = "projected-grpo/v_hack/2"
+# every control of V_hack (docs/preregistration.md, "Controls"): pair-level ones change the pairs before the
+# fit (pairs.PAIR_CONTROLS), V-level ones replace the real V after it (controls.py)
+CONTROLS = ("none", "random", "shuffled", "nonhack", "within", "energy")
+# controls drawn at random (the run's seed draws them); the others are deterministic
+SEEDED = ("random", "shuffled", "energy")
+# the held-out check's controls are drawn with this seed, so every run (any seed, any control) carries the
+# same check of the same real V
+CHECK_SEED = 0
 
 
 @dataclass(frozen=True)
 class ExtractSettings:
-    """What an extraction depends on besides the model and the pairs: the cache key. Built from the run's
-    config by run/setup.extract_settings; the fields are `proj.<name>` (docs and defaults live there), plus
-    nll_const (the Dr.GRPO constant, used when nll_norm == "constant") and seed (draws the controls)."""
+    """Exactly what an extraction reads besides the model and the pairs: the cache key. Built from the run's
+    config by hack/resolve.extract_settings (validated there, once: the fields are `proj.<name>`), plus
+    nll_const (the Dr.GRPO constant; None unless nll_norm == "constant", which alone reads it) and seed
+    (draws the seeded controls; 0 for the real V and the deterministic controls)."""
 
     k: int
-    tau_axis: float
-    n_heldout: int
+    heldout_frac: float
     nll_norm: Literal["mean", "constant"]
-    nll_const: float
-    control: Literal["none", "random", "shuffled", "nonhack"]
+    nll_const: float | None
+    control: Literal["none", "random", "shuffled", "nonhack", "within", "energy"]
     seed: int
-
-    def __post_init__(self):
-        checks = [(self.k >= 1, "k must be >= 1"), (0 <= self.tau_axis <= 1, "tau_axis must be in [0, 1]"),
-                  (self.n_heldout >= 0, "n_heldout must be >= 0"),
-                  (self.nll_const > 0, "nll_const must be > 0"),
-                  (self.nll_norm in NLL_NORMS, f"nll_norm must be one of {sorted(NLL_NORMS)}"),
-                  (self.control in CONTROLS, f"control must be one of {sorted(CONTROLS)}")]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(f"ExtractSettings.{msg}; got {self}")
 
 
 @dataclass
@@ -75,128 +80,6 @@ class Direction:
         return json.loads(self.meta.get("stats", "{}"))
 
 
-# --- pure math ---------------------------------------------------------------------------------
-
-
-def top_directions(D: Tensor, k: int, tau_axis: float = 0.0) -> tuple[Tensor, Tensor, dict]:
-    """D (P, R) pair differences -> V (K, R), S (K,), stats; K <= min(k, P, R).
-
-    SVD in fp32; each axis oriented by per-pair majority vote: +v when at least as many rows of D have a
-    positive as a negative projection (ties -> +1; zero projections abstain). Majority vote rather than
-    sign of the mean is robust to a few outlier pairs (the repeng convention). Weak axes
-    (S_i / S_0 < tau_axis) are DROPPED, not zeroed: S is descending, so they are a suffix, V keeps
-    orthonormal rows and K counts only real axes. All-zero D gives K = 0.
-    """
-    if not torch.isfinite(D).all():
-        raise ValueError("top_directions: D has non-finite entries")
-    D = D.float()
-    _, S, Vh = torch.linalg.svd(D, full_matrices=False)  # S (min(P,R),), Vh (min(P,R), R)
-    K = min(k, S.numel())
-    V, S = Vh[:K], S[:K]
-    if K == 0 or S[0] <= 0:
-        return D.new_zeros((0, D.shape[1])), D.new_zeros((0,)), {"k_kept": 0, "votes_pos": []}
-    c = D @ V.T  # (P, K)
-    n_pos, n_neg = (c > 0).sum(0), (c < 0).sum(0)
-    sign = torch.where(n_pos >= n_neg, 1.0, -1.0)  # (K,)
-    V = V * sign[:, None]
-    keep = (S / S[0] >= tau_axis) & (S > RANK_RTOL * S[0])  # (K,) a prefix, S being descending
-    votes = torch.where(sign > 0, n_pos, n_neg)[keep]
-    return V[keep], S[keep], {"k_kept": int(keep.sum()), "votes_pos": [int(v) for v in votes]}
-
-
-def heldout_score(D_heldout: Tensor, v1: Tensor) -> float:
-    """Fraction of held-out pair differences D_heldout (H, R) with a positive projection on v1 (R,)."""
-    return float(((D_heldout.float() @ v1.float()) > 0).float().mean())
-
-
-def heldout_scores(g_hack: dict[str, Tensor], g_clean: dict[str, Tensor], V: dict[str, Tensor],
-                   n_heldout: int) -> dict[str, float | None]:
-    """Per module the held-out score of V[name][0] on the last n_heldout rows of g_hack − g_clean (P, R);
-    None when n_heldout = 0 or the module has no axis."""
-    return {n: heldout_score(g_hack[n][-n_heldout:].float() - g_clean[n][-n_heldout:].float(), V[n][0])
-            if n_heldout > 0 and V[n].shape[0] > 0 else None for n in V}
-
-
-def directions_from_grads(g_hack: dict[str, Tensor], g_clean: dict[str, Tensor], k: int, tau_axis: float = 0,
-                          n_heldout: int = 0) -> tuple[dict[str, Tensor], dict[str, Tensor], dict]:
-    """Per module g_hack[name], g_clean[name] (P, R) -> V (K, R), S (K,), stats.
-
-    The last n_heldout pairs are held out of the SVD; stats["heldout"][name] is their score on v1
-    (None when n_heldout = 0 or the module has no axis); stats["k_kept"][name] the number of axes kept.
-    """
-    if g_hack.keys() != g_clean.keys():
-        raise ValueError(f"directions_from_grads: modules differ: {sorted(g_hack.keys() ^ g_clean.keys())}")
-    if not g_hack:
-        raise ValueError("directions_from_grads: no modules")
-    P = {g.shape[0] for g in [*g_hack.values(), *g_clean.values()]}
-    if len(P) != 1:
-        raise ValueError(f"directions_from_grads: modules disagree on the number of pairs: {sorted(P)}")
-    P = P.pop()
-    if P - n_heldout < 1:
-        raise ValueError(f"directions_from_grads: {P} pairs with n_heldout={n_heldout} leaves none to fit")
-    V, S, stats = {}, {}, {"k_kept": {}, "votes_pos": {}, "n_train": P - n_heldout}
-    for name in g_hack:
-        D = g_hack[name].float() - g_clean[name].float()  # (P, R): pairing cancels prompt-specific gradient
-        V[name], S[name], st = top_directions(D[:P - n_heldout], k, tau_axis)
-        stats["k_kept"][name], stats["votes_pos"][name] = st["k_kept"], st["votes_pos"]
-    stats["heldout"] = heldout_scores(g_hack, g_clean, V, n_heldout)
-    return V, S, stats
-
-
-def postprocess(V: dict[str, Tensor], S: dict[str, Tensor], k_use: int | None = None,
-                drop_bottom_frac: float = 0.0) -> tuple[dict[str, Tensor], dict]:
-    """Load-time post-processing : V[name] (K, R), S[name] (K,) -> V_used[name] (K', R), report.
-
-    Keeps the top k_use rows (None: all), then a global noise floor: the drop_bottom_frac quantile
-    (linear interpolation) of ALL modules' stored singular values pooled (before the k_use slice, so
-    the floor does not move with k_use); rows with S below it are dropped (a noisy module is not
-    protected by its own top axis), and modules left with no row are dropped. report: threshold,
-    dropped_rows per module, dropped_modules, kept_rows.
-    """
-    if not 0.0 <= drop_bottom_frac < 1.0:
-        raise ValueError(f"postprocess: drop_bottom_frac must be in [0, 1), got {drop_bottom_frac}")
-    if k_use is not None and k_use < 1:
-        raise ValueError(f"postprocess: k_use must be >= 1 or None, got {k_use}")
-    pooled = torch.cat([S[n].float() for n in sorted(S)]) if S else torch.zeros(0)
-    use_floor = drop_bottom_frac > 0 and pooled.numel() > 0
-    thresh = float(torch.quantile(pooled, drop_bottom_frac)) if use_floor else None
-    out, report = {}, {"threshold": thresh, "dropped_rows": {}, "dropped_modules": [], "kept_rows": 0}
-    for name in V:
-        Vn, Sn = V[name][:k_use], S[name][:k_use]
-        keep = Sn >= thresh if thresh is not None else torch.ones_like(Sn, dtype=torch.bool)
-        report["dropped_rows"][name] = int(V[name].shape[0] - keep.sum())
-        if keep.any():
-            out[name] = Vn[keep]
-            report["kept_rows"] += int(keep.sum())
-        else:
-            report["dropped_modules"].append(name)
-    return out, report
-
-
-def random_like(V: dict[str, Tensor], seed: int) -> dict[str, Tensor]:
-    """Control `random`: per module a random orthonormal (K, R) of the same shape as V[name] (seeded,
-    modules in sorted order). Rows are unit-norm like real V rows; S is kept by the caller."""
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name in sorted(V):
-        K, R = V[name].shape
-        Q, _ = torch.linalg.qr(torch.randn(R, K, generator=gen))  # (R, K) orthonormal columns
-        out[name] = Q.T.contiguous()
-    return {name: out[name] for name in V}
-
-
-def _same_V(V: dict[str, Tensor], seed: int) -> dict[str, Tensor]:
-    return V
-
-
-# control -> (pair transform before extraction, V transform after). `random` extracts from the real
-# pairs first so its shapes (K per module) and S (hence what the noise floor drops) match the real V.
-CONTROLS: dict[str, tuple[Callable, Callable[[dict[str, Tensor], int], dict[str, Tensor]]]] = {
-    "none": (PAIR_CONTROLS["none"], _same_V), "random": (PAIR_CONTROLS["none"], random_like),
-    "shuffled": (PAIR_CONTROLS["shuffled"], _same_V), "nonhack": (PAIR_CONTROLS["nonhack"], _same_V),
-}
-
-
 # --- extraction from a model ---------------------------------------------------------------
 
 
@@ -208,19 +91,98 @@ def cache_meta(settings: ExtractSettings, knobs, tokenizer, pairs: Sequence[Pair
             "settings": json.dumps(asdict(settings), sort_keys=True)}
 
 
+def _pooled_energy(X: dict[str, Tensor], V: dict[str, Tensor]) -> float:
+    """Σ_m ‖X_m V_mᵀ‖² / Σ_m ‖X_m‖²: subspace.energy pooled over modules (as proj/cin pools them)."""
+    tot = {m: float(x.float().square().sum()) for m, x in X.items()}
+    num = sum(energy(X[m], V[m]) * tot[m] for m in X if m in V and V[m].shape[0])
+    return num / sum(tot.values()) if sum(tot.values()) > 0 else 0.0
+
+
+def _pair_lists(fit: list[Pair], seed: int) -> tuple[dict[str, list[Pair]], dict[str, str]]:
+    """The pair-level controls of the fit pairs (name -> pairs), and those that cannot be built (name ->
+    why)."""
+    out, unavailable = {}, {}
+    for name, fn in PAIR_CONTROLS.items():
+        if name != "none":
+            try:
+                out[name] = fn(fit, seed)
+            except ValueError as e:
+                unavailable[name] = str(e)
+    return out, unavailable
+
+
+def _grads(model, knobs, tokenizer, lists: dict[str, list[Pair]], settings: ExtractSettings):
+    """Knob gradients of every list's pairs from ONE pair_grads call (repeated completions computed once):
+    name -> (g_hack, g_clean) with module -> (P_list, R)."""
+    flat = [p for ps in lists.values() for p in ps]
+    g_hack, g_clean = pair_grads(model, knobs, tokenizer, flat, settings.nll_norm, settings.nll_const or 1.0)
+    out, at = {}, 0
+    for name, ps in lists.items():
+        out[name] = ({m: g[at:at + len(ps)] for m, g in g_hack.items()},
+                     {m: g[at:at + len(ps)] for m, g in g_clean.items()})
+        at += len(ps)
+    return out
+
+
+def _control(name: str, seed: int, G: dict, V: dict[str, Tensor], S: dict[str, Tensor], k: int,
+             C_fit: dict[str, Tensor] | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(V, S) of control `name` drawn with `seed`. G: list name -> (g_hack, g_clean) of the fit pairs ("fit")
+    and of each pair-level control's pairs; C_fit: the fit completions' gradients centred per prompt, None
+    when every prompt has a single pair's two completions (the energy control cannot be built: ValueError)."""
+    if name == "random":
+        return random_like(V, seed), S
+    if name == "energy":
+        if C_fit is None:
+            raise ValueError("energy control: every prompt has one hack and one clean completion, so the "
+                             "only within-prompt variation is the labelled contrast itself and a label-free "
+                             "V of the same energy would be V; give several variants per prompt "
+                             "(pairs_per_problem >= 2)")
+        D = {m: G["fit"][0][m].float() - G["fit"][1][m].float() for m in V}
+        return energy_matched(V, C_fit, D, seed)[0], S
+    V_c, S_c, _ = directions_from_grads(*G[name], k)
+    return V_c, S_c
+
+
 def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSettings) -> Direction:
-    """V_hack from `pairs` under `settings` (control applied: pairs transformed first, V replaced after)."""
-    pair_control, v_control = CONTROLS[settings.control]
-    used = pair_control(pairs, settings.seed)
-    if len(used) - settings.n_heldout < 1:  # fail before the (slow) gradients, not after
-        raise ValueError(f"extract_direction: {len(used)} pairs with n_heldout={settings.n_heldout} "
-                         "leaves none to fit; add pairs or lower n_heldout")
-    g_hack, g_clean = pair_grads(model, knobs, tokenizer, used, settings.nll_norm, settings.nll_const)
-    V, S, stats = directions_from_grads(g_hack, g_clean, settings.k, settings.tau_axis, settings.n_heldout)
-    V = v_control(V, settings.seed)
-    stats["heldout"] = heldout_scores(g_hack, g_clean, V, settings.n_heldout)  # of the V actually returned
-    stats["n_pairs"] = len(used)
-    stats["heldout_shared_prompts"] = heldout_shared_prompts(used, settings.n_heldout)
+    """V_hack from `pairs` under `settings`: the V of settings.control (the real one for "none"), with the
+    real V's held-out check against every control in its stats (see the module docstring)."""
+    fit, held = split_heldout(list(pairs), settings.heldout_frac)
+    lists, unavailable = _pair_lists(fit, CHECK_SEED)
+    control, seed = settings.control, settings.seed
+    if control in lists and control in SEEDED and seed != CHECK_SEED:
+        lists["returned"] = PAIR_CONTROLS[control](fit, seed)
+    if control in unavailable:  # before the (slow) gradients
+        raise UserError(f"proj.control={control!r} cannot be built from these pairs: {unavailable[control]}")
+    every_list = {"fit": fit, "held": held, **lists}
+    G = _grads(model, knobs, tokenizer, {n: ps for n, ps in every_list.items() if ps}, settings)
+    V, S, stats = directions_from_grads(*G["fit"], settings.k)
+    groups = completions_by_prompt(fit)
+    C_fit = centred(*G["fit"], groups) if max(len(g) for g in groups) > 2 else None
+    fitted = {}
+    for name in C.CHECKED:
+        if name not in unavailable:
+            try:
+                fitted[name] = _control(name, CHECK_SEED, G, V, S, settings.k, C_fit)
+            except ValueError as e:
+                unavailable[name] = str(e)
+    held_D = {m: G["held"][0][m].float() - G["held"][1][m].float() for m in V} if held else \
+        {m: torch.zeros(0, v.shape[1]) for m, v in V.items()}
+    check = C.separation(held_D, prompt_groups(held), V, {n: f[0] for n, f in fitted.items()}, unavailable)
+    every_v = [("real", V), *((n, f[0]) for n, f in fitted.items())]
+    C_ref = C_fit if C_fit is not None else centred(*G["fit"], groups)
+    check["energy"] = {n: _pooled_energy(C_ref, v) for n, v in every_v}
+    if held:
+        C_held = centred(*G["held"], completions_by_prompt(held))
+        check["energy_heldout"] = {n: _pooled_energy(C_held, v) for n, v in every_v}
+    if control != "none":
+        if control in unavailable:
+            raise UserError(f"proj.control={control!r} cannot be built from these pairs: "
+                            f"{unavailable[control]}")
+        G_ret = {**G, control: G["returned"]} if "returned" in G else G
+        V, S = fitted[control] if seed == CHECK_SEED or control not in SEEDED else _control(
+            control, seed, G_ret, V, S, settings.k, C_fit)
+    stats |= {"n_pairs": len(pairs), "n_train": len(fit), "n_heldout": len(held),
+              "heldout_prompts": len(set(prompt_groups(held))), "check": check}
     meta = cache_meta(settings, knobs, tokenizer, pairs)
     return Direction(V, S, {**meta, "stats": json.dumps(stats, sort_keys=True)})
 

@@ -6,7 +6,8 @@ one forward scores it, and ONE backward of Σ_sequences NLL_sequence yields each
 through the knob adapters' per-sequence capture (split.py): sequences never mix inside the model, so
 row n of the capture is exactly ∂NLL_n/∂knobs. tests/oracles.pair_grads_isolated (one forward +
 backward per pair and label) is its test oracle. Both use `torch.autograd.grad`, so no .grad is
-touched and extraction may run mid-training (train.py's online V refresh).
+touched and extraction may run mid-training (train.py's online V refresh). A sequence that occurs in several
+pairs (the same prompt and completion: V_hack's controls reuse the real pairs' completions) is computed once.
 Deliberately not here: the SVD, orientation and storage of V_hack (direction.py).
 """
 
@@ -153,14 +154,21 @@ def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean
     sequence at least): that bounds activation memory also for a real model's long prompts (SmolLM2's
     V_hack peaked at 21.8 GB RSS with 32 sequences a chunk). Sorted by length so a chunk pads little.
     .grad of every parameter is left untouched; model in eval mode (no dropout) while it runs. A non-finite
-    NLL raises naming the pair index and label, before any backward.
+    NLL raises naming the pair index and label, before any backward. Sequences repeated across pairs (same
+    prompt ids and completion ids) are computed once and copied.
     """
     if chunk_size < 1 or chunk_tokens < 1:
         raise ValueError(f"pair_grads: chunk_size and chunk_tokens must be >= 1, got {chunk_size}, "
                          f"{chunk_tokens}")
     seqs = _sequences(tokenizer, pairs)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    names = [f"pair {i} ({pairs[i].source or 'no source'}), {label} completion" for i, label, _, _ in seqs]
-    rows = sequence_grads(model, knobs, [s[2] for s in seqs], [s[3] for s in seqs], pad_id, norm, nll_const,
-                          chunk_size, chunk_tokens, names)
-    return _split_labels(rows)
+    first: dict[tuple, int] = {}  # (prompt ids, completion ids) -> its first row
+    source = [first.setdefault((tuple(s[2]), tuple(s[3])), j) for j, s in enumerate(seqs)]
+    distinct = sorted(set(source))
+    at = {j: k for k, j in enumerate(distinct)}  # a distinct sequence's row in sequence_grads' output
+    names = [f"pair {seqs[j][0]} ({pairs[seqs[j][0]].source or 'no source'}), {seqs[j][1]} completion"
+             for j in distinct]
+    rows = sequence_grads(model, knobs, [seqs[j][2] for j in distinct], [seqs[j][3] for j in distinct],
+                          pad_id, norm, nll_const, chunk_size, chunk_tokens, names)
+    index = torch.tensor([at[j] for j in source])
+    return _split_labels({n: r[index] for n, r in rows.items()})

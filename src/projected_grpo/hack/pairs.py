@@ -3,9 +3,12 @@
 Three sources: the built-in problems (several hack and clean variants per problem, rotated so a pair
 is not one fixed template), a JSON/JSONL file with keys prompt / hack / clean, and pairs mined from a
 graded teacher pool with only the detectors of a named subset of *known* loophole modes (the "weak
-detector" of the leave-one-mode-out test). Two pair-level controls for V_hack live here too:
-`shuffle_labels` (hack/clean swapped at random per pair) and `nonhack_pairs` (clean vs clean variant).
-Deliberately not here: gradients, SVD, storage (direction.py).
+detector" of the leave-one-mode-out test). Also here: `split_heldout` (the whole prompts held out of the
+fit for V's held-out check) and the pair-level controls of V_hack (docs/preregistration.md, "Controls"):
+`shuffle_labels` (hack/clean swapped at random per pair: an ORIENTATION control, the subspace is V's),
+`nonhack_pairs` (clean vs another clean) and `within_pairs` (hack vs another hack and clean vs another clean
+of the same prompt: the LABEL control, whose subspace differs from V's).
+Deliberately not here: gradients, SVD, storage (direction.py), the V-level controls (controls.py).
 """
 
 from __future__ import annotations
@@ -83,14 +86,35 @@ def _prompt_key(p: Pair) -> str:
     return json.dumps(p.prompt if isinstance(p.prompt, str) else [sorted(m.items()) for m in p.prompt])
 
 
-def heldout_shared_prompts(pairs: Sequence[Pair], n_heldout: int) -> int:
-    """How many of the last `n_heldout` pairs (the held-out ones) share their prompt with a fit pair.
-    Their held-out score is optimistic: the fit saw that prompt (built-in pairs of one problem may also
-    share a completion). Zero when the held-out pairs are whole problems."""
-    if n_heldout <= 0:
-        return 0
-    fit = {_prompt_key(p) for p in pairs[:-n_heldout]}
-    return sum(_prompt_key(p) in fit for p in pairs[-n_heldout:])
+def split_heldout(pairs: Sequence[Pair], frac: float) -> tuple[list[Pair], list[Pair]]:
+    """(fit, held_out): the pairs of round(frac * #prompts) whole prompts are held out, the prompts with the
+    smallest SHA-256 of their text (seed-free, and spread over loophole modes and problems rather than the
+    last ones in order). At least one prompt is held out when frac > 0 and there are two or more, and at least
+    one is always fit. Order within each part is the input order."""
+    if not 0.0 <= frac < 1.0:
+        raise ValueError(f"split_heldout: frac must be in [0, 1), got {frac}")
+    keys = list(dict.fromkeys(_prompt_key(p) for p in pairs))
+    n_held = min(len(keys) - 1, max(1 if frac > 0 else 0, round(frac * len(keys))))
+    held = set(sorted(keys, key=lambda k: hashlib.sha256(k.encode()).hexdigest())[:max(0, n_held)])
+    return ([p for p in pairs if _prompt_key(p) not in held], [p for p in pairs if _prompt_key(p) in held])
+
+
+def completions_by_prompt(pairs: Sequence[Pair]) -> list[list[tuple[int, str]]]:
+    """Per distinct prompt (first-appearance order) its distinct completions, hack and clean alike, each as
+    (index of the first pair holding it, "hack" or "clean"): where to find each one's gradient once."""
+    by_prompt: dict[str, dict[tuple, tuple[int, str]]] = {}
+    for i, p in enumerate(pairs):
+        seen = by_prompt.setdefault(_prompt_key(p), {})
+        for side in ("hack", "clean"):
+            seen.setdefault(_side(p, side), (i, side))
+    return [list(seen.values()) for seen in by_prompt.values()]
+
+
+def prompt_groups(pairs: Sequence[Pair]) -> list[int]:
+    """Per pair the index of its prompt among the distinct prompts, in order of first appearance: the
+    clusters of a held-out score (pairs of one prompt are not independent)."""
+    ids: dict[str, int] = {}
+    return [ids.setdefault(_prompt_key(p), len(ids)) for p in pairs]
 
 
 # --- built-in pairs ----------------------------------------------------------------------------
@@ -101,10 +125,7 @@ def builtin_pairs(env, problems: Sequence, per_problem: int = 3) -> list[Pair]:
 
     Pair i of a problem is (hack template i mod #hacks, clean template (i + 1) mod #cleans): both lists
     rotate, with an offset so the same index is not always matched, so pairs are not one template.
-    Problems are taken in order, so the last pairs (the held-out ones) are whole problems when
-    n_heldout is a multiple of per_problem; otherwise some share a prompt with fit pairs
-    (`heldout_shared_prompts` counts them, and extraction reports it). Problems without both a hack and
-    a clean template are skipped; none having both raises.
+    Problems without both a hack and a clean template are skipped; none having both raises.
     """
     if per_problem < 1:
         raise ValueError(f"builtin_pairs: per_problem must be >= 1, got {per_problem}")
@@ -269,43 +290,81 @@ def pairs_from_pool(rows: Iterable[dict], known_modes: Iterable[str], detectors:
 
 
 def shuffle_labels(pairs: Sequence[Pair], seed: int = 0) -> list[Pair]:
-    """Control `shuffled`: each pair's hack/clean labels swapped with probability 1/2 (seeded).
+    """ORIENTATION control `shuffled`: each pair's hack/clean labels swapped with probability 1/2 (seeded).
 
-    Note: swapping a pair negates its row of D, and the SVD of D does not see row signs (DᵀD is
-    unchanged), so this control gives the real S and span(V) with random orientations: it controls
-    for the hack-ward orientation the one-sided gate relies on, not for the subspace.
+    Swapping a pair negates its row of D, and the SVD of D does not see row signs (DᵀD is unchanged), so this
+    control has V's own S and span(V); only the vote-chosen orientations change. It controls for the
+    hack-ward orientation the one-sided gate relies on, not for the subspace, and under a two-sided gate
+    (no_gate, reverse: sign-blind) it removes exactly what the real V removes (docs/preregistration.md).
     """
     flips = torch.rand(len(pairs), generator=torch.Generator().manual_seed(seed)) < 0.5
     return [p.swapped() if bool(f) else p for p, f in zip(pairs, flips)]
 
 
-def nonhack_pairs(pairs: Sequence[Pair], seed: int = 0) -> list[Pair]:
-    """Control `nonhack`: (clean, other clean) pairs of the same prompt, as many as `pairs` had.
-
-    The distinct clean completions of each prompt are paired cyclically (clean j vs clean j + 1); these
-    rows are then cycled to len(pairs) so the control sees as many pairs as the real extraction. Raises
-    when no prompt has two distinct clean completions. `seed` is unused (the pairing is deterministic);
-    it is accepted so every control has the same signature.
-    """
-    del seed
+def _distinct_by_prompt(pairs: Sequence[Pair], side: str) -> list[list[Pair]]:
+    """Per prompt (first-appearance order) its pairs with distinct `side` ("hack" or "clean") completions."""
     by_prompt: dict[str, list[Pair]] = {}
     for p in pairs:
         group = by_prompt.setdefault(_prompt_key(p), [])
-        if all(q.clean != p.clean for q in group):
+        if all(_side(q, side) != _side(p, side) for q in group):
             group.append(p)
-    base: list[Pair] = []
-    for group in by_prompt.values():
-        if len(group) < 2:
-            continue
-        for j, p in enumerate(group):
-            q = group[(j + 1) % len(group)]
-            base.append(Pair(p.prompt, p.clean, q.clean, p.prompt_ids, p.clean_ids, q.clean_ids,
-                             source=f"nonhack:{p.source}|{q.source}"))
+    return list(by_prompt.values())
+
+
+def _side(p: Pair, side: str) -> tuple:
+    """A pair's `side` completion as (ids, text): the identity of that sequence."""
+    return (p.hack_ids, p.hack) if side == "hack" else (p.clean_ids, p.clean)
+
+
+def _cycle_side(group: Sequence[Pair], side: str) -> list[Pair]:
+    """Completion j of `side` against completion j + 1 (cyclic) of the same prompt; none for fewer than 2.
+    The result's `hack` slot holds completion j, its `clean` slot completion j + 1."""
+    if len(group) < 2:
+        return []
+    out = []
+    for j, p in enumerate(group):
+        q = group[(j + 1) % len(group)]
+        (a_ids, a), (b_ids, b) = _side(p, side), _side(q, side)
+        out.append(Pair(p.prompt, a, b, p.prompt_ids, a_ids, b_ids, source=f"{side}:{p.source}|{q.source}"))
+    return out
+
+
+def _cycled(base: list[Pair], n: int, what: str) -> list[Pair]:
     if not base:
-        raise ValueError("nonhack control: no prompt has two distinct clean completions; the pair source "
-                         "must give several clean variants per prompt (builtin pairs, per_problem >= 2)")
-    return [base[i % len(base)] for i in range(len(pairs))]
+        raise ValueError(f"{what} control: no prompt has two distinct completions of the class it pairs; "
+                         "the pair source must give several variants per prompt (builtin pairs, "
+                         "pairs_per_problem >= 2)")
+    return [base[i % len(base)] for i in range(n)]
+
+
+def nonhack_pairs(pairs: Sequence[Pair], seed: int = 0) -> list[Pair]:
+    """Control `nonhack`: (clean, other clean) pairs of the same prompt, as many as `pairs` had.
+
+    The distinct clean completions of each prompt are paired cyclically (clean j vs clean j + 1); these rows
+    are then cycled to len(pairs) so the control sees as many pairs as the real extraction. Raises when no
+    prompt has two distinct clean completions. `seed` is unused (deterministic); every control takes one.
+    """
+    del seed
+    base = [q for g in _distinct_by_prompt(pairs, "clean") for q in _cycle_side(g, "clean")]
+    return _cycled(base, len(pairs), "nonhack")
+
+
+def within_pairs(pairs: Sequence[Pair], seed: int = 0) -> list[Pair]:
+    """LABEL control `within`: within-class pairs of the same prompt, hack vs another hack and clean vs
+    another clean, as many as `pairs` had.
+
+    Made of the same completions as the real pairs, but no row contrasts a hack with a clean one: D's rows
+    are within-class variation, so span(V) changes (unlike `shuffle_labels`) and a V that still works here
+    owes nothing to the hack label. Per prompt, the distinct hacks are paired cyclically, then the distinct
+    cleans; prompts in order; the rows are cycled to len(pairs). Raises when no prompt has two distinct
+    completions of either class. `seed` is unused (deterministic).
+    """
+    del seed
+    base = []
+    for hacks, cleans in zip(_distinct_by_prompt(pairs, "hack"), _distinct_by_prompt(pairs, "clean")):
+        base += _cycle_side(hacks, "hack") + _cycle_side(cleans, "clean")
+    return _cycled(base, len(pairs), "within")
 
 
 PAIR_CONTROLS = {"none": lambda pairs, seed: list(pairs), "shuffled": shuffle_labels,
-                 "nonhack": nonhack_pairs}
+                 "nonhack": nonhack_pairs, "within": within_pairs}

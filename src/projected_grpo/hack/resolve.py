@@ -4,7 +4,9 @@ Each function takes the whole `Config` and reads `cfg.proj.*` (and the run's cac
   v_pairs          the contrastive pairs: --proj.pairs, else the environment's hack/clean templates
   extract_settings the settings the extraction reads: with the cache key, exactly what changes V
   v_hack_path      --proj.v-path, else the cache file keyed by model, tokenizer, pairs and settings
-  resolve_v_hack   the cached direction (extracted on a miss, at zeroed knobs), post-processed for use
+  resolve_v_hack   the cached direction (extracted on a miss, at zeroed knobs) and its held-out check: said
+                   loudly when V does not beat its controls, refused under proj.require_check, and written
+                   to the run directory (CHECK_FILE) for the report
 docs/architecture.md ("The data path of one step") shows where the loop calls these.
 """
 
@@ -19,8 +21,11 @@ from collections.abc import Sequence
 from projected_grpo import config as C
 from projected_grpo import store
 from projected_grpo.errors import UserError
-from projected_grpo.hack import direction, pairs
+from projected_grpo.hack import check, direction, pairs
 from projected_grpo.knobs import adapters
+
+# a run directory's record of the held-out check of the V_hack it uses (study/report.py reads it)
+CHECK_FILE = "v_hack_check.json"
 
 
 def _log(msg: str) -> None:
@@ -45,12 +50,16 @@ def at_zero(knobs: adapters.Knobs):
 
 
 def extract_settings(cfg: C.Config) -> direction.ExtractSettings:
-    """The extraction settings of cfg.proj (with the loss's constant denominator): V_hack's cache key."""
+    """The extraction settings of cfg.proj: V_hack's cache key, holding exactly what the extraction reads."""
     return direction.ExtractSettings(
-        k=cfg.proj.k, tau_axis=cfg.proj.tau_axis, n_heldout=cfg.proj.n_heldout, nll_norm=cfg.proj.nll_norm,
-        nll_const=float(cfg.rollout.dr_grpo_denom), control=cfg.proj.control,
-        # the seed only draws the controls; the real V is seed-free, so every seed shares one cached V
-        seed=cfg.run.seed if cfg.proj.control != "none" else 0)
+        k=cfg.proj.k, heldout_frac=cfg.proj.heldout_frac, nll_norm=cfg.proj.nll_norm,
+        # the loss's constant denominator (G, B, max_new_tokens) is read only by nll_norm "constant": under
+        # "mean" it is left out of the key, so a new group size does not re-extract the same V
+        nll_const=float(cfg.rollout.dr_grpo_denom) if cfg.proj.nll_norm == "constant" else None,
+        control=cfg.proj.control,
+        # the seed only draws the seeded controls; the real V and the deterministic controls are seed-free,
+        # so every seed shares one cached V
+        seed=cfg.run.seed if cfg.proj.control in direction.SEEDED else 0)
 
 
 def v_pairs(cfg: C.Config, env, problems: Sequence) -> list[pairs.Pair]:
@@ -71,9 +80,24 @@ def v_hack_path(cfg: C.Config, knobs, tokenizer, pair_list, settings) -> pathlib
     return store.cache_root(cfg.model.cache_dir or None) / "v_hack" / f"{key}.safetensors"
 
 
+def check_report(cfg: C.Config, found: direction.Direction) -> tuple[str, bool | None]:
+    """(the lines to print at a run's start, passed) for the held-out check of the real V in `found`'s stats;
+    a failed check is printed as a WARNING block, and refused (UserError) under proj.require_check."""
+    chk = found.stats.get("check", {})
+    passed, why = check.verdict(chk)
+    body = "\n".join(check.lines(chk))
+    if passed is False and cfg.proj.require_check:
+        raise UserError(f"proj.require_check: {why}\n{body}")
+    if passed is False:
+        bar = "!" * 100
+        return f"{bar}\nWARNING: {why}\n{body}\n{bar}", passed
+    return f"{why}\n{body}", passed
+
+
 def resolve_v_hack(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence):
-    """(V_hack post-processed for use (name -> (K, R)), status line): the cached direction, extracted on a
-    miss (slow on a real model: a line says so first)."""
+    """(V_hack for use (name -> (K, R)), status line): the cached direction, extracted on a miss (slow on a
+    real model: a line says so first). Its held-out check is printed (check_report) and, when the run has a
+    directory, written there as CHECK_FILE."""
     settings = extract_settings(cfg)
     pair_list = [] if cfg.proj.v_path else v_pairs(cfg, env, problems)
     if not pair_list and not cfg.proj.v_path:
@@ -87,7 +111,14 @@ def resolve_v_hack(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequen
     t0 = time.perf_counter()
     with at_zero(knobs):  # model.init_knobs / dpo.before: still the base model's V_hack (its cache key)
         found, status = direction.resolve(path, settings, model, knobs, tokenizer, pair_list)
-    V, report = direction.postprocess(found.V, found.S, cfg.proj.k_use, cfg.proj.drop_bottom_frac)
+    text, passed = check_report(cfg, found)
+    _log(text)
+    if cfg.run.dir and pathlib.Path(cfg.run.dir).is_dir():
+        store.write_json_atomic(pathlib.Path(cfg.run.dir) / CHECK_FILE, {
+            "v_hack": str(path), "control": cfg.proj.control, "passed": passed,
+            "check": found.stats.get("check", {})})
+    V = found.V
     line = (f"V_hack {path} ({status}, {time.perf_counter() - t0:.0f} s): {sum(len(v) for v in V.values())} "
-            f"rows in {len(V)} modules, dropped {report['dropped_modules']}")
+            f"rows in {len(V)} modules, control {cfg.proj.control}; held-out check "
+            f"{ {True: 'passed', False: 'FAILED', None: 'undecided'}[passed] }")
     return V, line

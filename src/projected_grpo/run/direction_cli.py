@@ -1,7 +1,9 @@
 """`projected-grpo extract-direction`: extract V_hack (direction.py) for a preset's (or --model's) model and
-print per module the kept axes, singular values and held-out scores. Settings are the run's own
-`--proj.*` fields (k, tau_axis, n_heldout, nll_norm, control, pairs, pairs_per_problem, k_use,
-drop_bottom_frac), so a direction extracted here is the one `train` would use with the same flags.
+print per module the kept axes and singular values, then V's held-out check: its separation of held-out hack
+from clean gradients beside every control's, with intervals (hack/check.py), and how much of the pairs'
+completion gradients, centred per prompt, each V captures. Settings are the run's own `--proj.*` fields (k,
+heldout_frac, nll_norm, control, pairs, pairs_per_problem, require_check), so a direction extracted here is
+the one `train` would use with the same flags.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 from projected_grpo import presets
 from projected_grpo.errors import UserError
 from projected_grpo.hack import resolve as hack_resolve
-from projected_grpo.hack.direction import extract_direction, postprocess, resolve
+from projected_grpo.hack.check import CHECKED
+from projected_grpo.hack.direction import extract_direction, resolve
 from projected_grpo.hack.pairs import DETECTORS
 
 
@@ -60,23 +63,19 @@ def main(argv: list[str]) -> int:
     else:
         d = extract_direction(model, knobs, tok, pairs, s)
     stats = d.stats
-    print(f"V_hack: {stats['n_pairs']} pairs ({stats['n_train']} fit, {s.n_heldout} held out), k={s.k}, "
-          f"tau_axis={s.tau_axis}, nll_norm={s.nll_norm}, control={s.control}, knob={cfg.model.knob}")
+    print(f"V_hack: {stats['n_pairs']} pairs ({stats['n_train']} fit, {stats['n_heldout']} held out from "
+          f"{stats['heldout_prompts']} prompts), k={s.k}, heldout_frac={s.heldout_frac}, "
+          f"nll_norm={s.nll_norm}, control={s.control}, knob={cfg.model.knob}")
     width = max(len(n) for n in d.V)
-    print(f"{'module':<{width}}  K  heldout  S")
+    print(f"{'module':<{width}}  K  S")
     for n in d.V:
-        h = stats["heldout"][n]
-        sv = " ".join(f"{x:.3g}" for x in d.S[n].tolist())
-        print(f"{n:<{width}}  {d.V[n].shape[0]}  {'n/a' if h is None else f'{h:.2f}':>7}  {sv}")
-    scores = [h for h in stats["heldout"].values() if h is not None]
-    if scores:
-        print(f"held-out score (v1, mean over {len(scores)} modules): {sum(scores) / len(scores):.3f}")
-    if shared := stats.get("heldout_shared_prompts", 0):
-        print(f"note: {shared} of the {s.n_heldout} held-out pairs share a prompt with fit pairs, so the "
-              "held-out score is optimistic; make --proj.n-heldout a multiple of --proj.pairs-per-problem")
-    V_used, report = postprocess(d.V, d.S, cfg.proj.k_use, cfg.proj.drop_bottom_frac)
-    print(f"as training uses it (proj.k_use={cfg.proj.k_use}, proj.drop_bottom_frac="
-          f"{cfg.proj.drop_bottom_frac}): {report['kept_rows']} rows kept in {len(V_used)} modules; "
-          f"threshold={report['threshold']}; dropped rows {sum(report['dropped_rows'].values())}; "
-          f"dropped modules {report['dropped_modules']}")
+        print(f"{n:<{width}}  {d.V[n].shape[0]}  {' '.join(f'{x:.3g}' for x in d.S[n].tolist())}")
+    chk = stats["check"]
+    order = ["real", *CHECKED]
+    shown = lambda e: " ".join(f"{n} {e[n]:.3f}" for n in order if n in e)
+    print(f"share of the completion gradients (centred per prompt) inside span(V), both signs (the energy "
+          f"control is matched on the fit pairs'): fit pairs {shown(chk['energy'])}")
+    if "energy_heldout" in chk:
+        print(f"  held-out pairs {shown(chk['energy_heldout'])}")
+    print(hack_resolve.check_report(cfg, d)[0])  # under --proj.require-check a failed check exits 2
     return 0

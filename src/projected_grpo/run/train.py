@@ -105,7 +105,7 @@ def refresh_v_hack(cfg: C.Config, model, knobs, tok, env, problems, V_hack: dict
     with knobs.ablate_quarantine():
         fresh = direction.extract_direction(model, knobs, tok, resolve.v_pairs(cfg, env, problems),
                                             resolve.extract_settings(cfg))
-    V_new, _ = direction.postprocess(fresh.V, fresh.S, cfg.proj.k_use, cfg.proj.drop_bottom_frac)
+    V_new = fresh.V
     both = [n for n in V_new if n in V_hack]
     overlap = sum(float((V_hack[n] @ V_new[n].T).square().sum()) / min(len(V_hack[n]), len(V_new[n]))
                   for n in both) / max(1, len(both))

@@ -1,18 +1,18 @@
 """The arms: one table, a line per arm (what it changes, the labels it needs at train time, what the findings
 say of it); `projected-grpo arms` prints it.
 
-An arm is a named set of config changes on top of a preset. `<arm>@random`, `<arm>@shuffled` and
-`<arm>@nonhack` are any projection arm with a control V in place of the real one (twins): the negative
-controls a report compares the real V with. `random_V` is `erase@random` under its preregistered name
-(docs/preregistration.md). Labels needed at train time: `none` (nothing beyond the reward), `pairs`
-(contrastive (hack, clean) pairs, which ground truth may select: docs/architecture.md's no-cheat rule), or
-`per-sample` (a ground-truth judgement of every training rollout: an upper bound, not a deployable method).
+An arm is a named set of config changes on top of a preset. `<arm>@random`, `<arm>@shuffled`,
+`<arm>@nonhack`, `<arm>@within` and `<arm>@energy` are any projection arm with a control V in place of the
+real one (twins): the negative controls a report compares the real V with. `random_V` is `erase@random`
+under its preregistered name (docs/preregistration.md, "Arms and controls"). Labels needed at train time:
+`none` (nothing beyond the reward), `pairs` (contrastive (hack, clean) pairs, which ground truth may select:
+docs/architecture.md's no-cheat rule), or `per-sample` (a ground-truth judgement of every training rollout:
+an upper bound, not a deployable method).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 LABELS = ("none", "pairs", "per-sample")
@@ -69,6 +69,13 @@ ARMS: dict[str, Arm] = {
     "nonhack_V": Arm(
         _proj("erase", "nonhack"), "erase with V from clean-vs-clean pairs", "pairs",
         "cuts hacking by breaking the model, as erase does (findings 7.5)", "negative control"),
+    "within_V": Arm(
+        _proj("erase", "within"), "erase with V from within-class pairs (hack vs hack, clean vs clean): the "
+        "label control, whose span differs from V's", "pairs", "", "negative control"),
+    "energy_V": Arm(
+        _proj("erase", "energy"), "erase with a V that captures as much of the pairs' completion gradients "
+        "(centred per prompt) as the real V, from their top directions: the energy control", "pairs", "",
+        "negative control"),
     "gt_reward": Arm(
         {**_proj("none"), "env": {"reward_from": "oracle"}}, "the oracle's honest reward in the grader's "
         "place: what honest solving reaches", "per-sample",
@@ -76,6 +83,10 @@ ARMS: dict[str, Arm] = {
     "no_pool": Arm(
         {**_proj("none"), "rollout": {"mix": 0.0}}, "no teacher rows: pure student GRPO (what the pool adds)",
         "none", "on the demo preset (mix 0) it is `none` itself (findings 7.5)", "baseline"),
+    "erase_no_pool": Arm(
+        {**_proj("erase"), "rollout": {"mix": 0.0}}, "erase without teacher rows: with no_pool, whether "
+        "erase's effect only blocks teacher imitation (falsifier F5)", "pairs",
+        "on the demo preset (mix 0) it is `erase` itself"),
     "ppo": Arm(
         {**_proj("none"), "loss": {"algo": "ppo"}}, "PPO with a critic (value head, GAE) in GRPO's place",
         "none", "", "baseline"),
@@ -126,12 +137,14 @@ BENCH_ARMS: tuple[str, ...] = (*(a for a in ARMS if ":" in a), "inoculation", "e
 
 # `<arm>@<suffix>`: the projection arm with the control V of proj.control = TWINS[suffix]
 RANDOM_TWIN = "@random"
-TWINS: dict[str, str] = {RANDOM_TWIN: "random", "@shuffled": "shuffled", "@nonhack": "nonhack"}
+TWINS: dict[str, str] = {RANDOM_TWIN: "random", "@shuffled": "shuffled", "@nonhack": "nonhack",
+                         "@within": "within", "@energy": "energy"}
 
 
 def arm_sections(arm: str) -> dict[str, dict] | None:
     """The config changes of `arm`: ARMS[arm].changes, or for `<a>@random` (any suffix of TWINS) those of
-    projection arm `<a>` with proj.control = random (shuffled, nonhack); None for an unknown arm."""
+    projection arm `<a>` with proj.control = random (shuffled, nonhack, within, energy); None for an unknown
+    arm."""
     if arm in ARMS:
         return {s: dict(kw) for s, kw in ARMS[arm].changes.items()}
     name, _, suffix = arm.rpartition("@")
@@ -148,16 +161,6 @@ def uses_v(changes: dict[str, dict]) -> bool:
     such an arm has control-V twins."""
     proj, monitor = changes["proj"], changes.get("monitor", {})
     return (proj["arm"] != "none" or monitor.get("kind") == "direction") and proj["control"] == "none"
-
-
-def control_twins(arms: Sequence[str], suffix: str = RANDOM_TWIN) -> dict[str, str]:
-    """arm -> its twin among `arms` with the control of `suffix` (a key of TWINS): `<arm>@random`, and for
-    erase also random_V by default; `@shuffled`: `<arm>@shuffled`, for erase also shuffled_V."""
-    out = {a: a + suffix for a in arms if a + suffix in arms}
-    named = f"{TWINS[suffix]}_V"  # erase's twin by its control's arm name: random_V, shuffled_V, nonhack_V
-    if "erase" in arms and "erase" not in out and named in arms:
-        out["erase"] = named
-    return out
 
 
 def describe_arm(arm: str) -> str:

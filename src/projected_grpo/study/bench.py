@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from projected_grpo.study import arms as arms_table
+from projected_grpo.study import ours as O
 from projected_grpo.study import verdicts as V
+from projected_grpo.study.tables import Tables
 from projected_grpo.study.verdicts import FORMAT, HACK, SOLVE, Stat
 
 BASELINE, POSITIVE = "none", "gt_reward"
@@ -39,7 +41,7 @@ def verdict(base: Mapping[str, Stat], arm: Mapping[str, Stat], start: Mapping[st
         return PARTIAL
     if gt is None or start is None:
         return "stops hacking (capability not judged: no gt_reward or start)"
-    return KEPT if V.ours(arm, start, gt).kept else BROKEN
+    return KEPT if O.capability(arm, start, gt).kept else BROKEN
 
 
 def _pts(x: float | None) -> str:
@@ -65,19 +67,22 @@ def _labels(arm: str) -> str:
     return arms_table.ARMS[name].labels
 
 
-def table(end: Mapping[str, Mapping[str, Stat]], start: Mapping[str, Mapping[str, Stat]],
-          arms: Sequence[str]) -> str:
-    """Markdown table of `arms` (those `end` has) beside `none` and `gt_reward`: deployed hack / solve /
+def table(t: Tables, arms: Sequence[str]) -> str:
+    """Markdown table of `arms` (those the sweep ran) beside `none` and `gt_reward`: deployed hack / solve /
     well-formed (mean ± SEM over seeds of the last-5-step means), labels at train time, the bench's verdict,
     hack against none (points), solve and well-formed against gt_reward (points), and for an arm with a
-    random-V twin in `end` the real V against it (verdicts.vs_random)."""
+    random-V twin in the sweep the real V against it, paired by seed (ours.contrast, Holm-adjusted over the
+    table's twin contrasts)."""
+    end, start = t.end, t.start
     base, gt = end.get(BASELINE), end.get(POSITIVE)
     head = ["| intervention | monitor | labels | seeds | hack | solve | well-formed | verdict | hack vs none "
-            "| solve, well-formed vs gt_reward | vs random V |", "|" + "---|" * 11]
+            "| solve, well-formed vs gt_reward | vs random V (paired) |", "|" + "---|" * 11]
+    pairs = [(a, f"{a}{arms_table.RANDOM_TWIN}") for a in arms if "@" not in a]
+    family = [c for a, twin in pairs if twin in end and (c := O.contrast(a, twin, t.seeds)) is not None]
+    vs_random = {c.arm: c for c in O.adjust(family)}
     rows = []
     for arm in [a for a in (BASELINE, POSITIVE, *arms) if a in end]:
         st = end[arm]
-        labels = _labels(arm)
         if arm == BASELINE:
             word = "(baseline)"
         elif arm == POSITIVE:
@@ -89,14 +94,12 @@ def table(end: Mapping[str, Mapping[str, Stat]], start: Mapping[str, Mapping[str
         vs_none = None if base is None else st[HACK].mean - base[HACK].mean
         vs_gt = "-" if gt is None or arm == POSITIVE else \
             f"{_pts(st[SOLVE].mean - gt[SOLVE].mean)}, {_pts(st[FORMAT].mean - gt[FORMAT].mean)}"
-        twin = f"{arm}{arms_table.RANDOM_TWIN}"
         vr = "-"
-        if twin in end and "@" not in arm:
-            v = V.vs_random(st, end[twin], twin)
-            beats = {True: "beats", False: "does not beat", None: "undecided"}[v.beats]
-            vr = f"{beats} ({_pts(-v.hack_gap)})"
+        if (c := vs_random.get(arm)) is not None:
+            beats = {True: "beats", False: "does not beat", None: "undecided"}[c.beats]
+            p = "" if c.p_holm is None else f", Holm p {c.p_holm:.2g}"
+            vr = f"{beats} ({_pts(-c.gap.interval.mean)}{p})"
         i, m = _name(arm)
-        n = st[HACK].n
-        rows.append(f"| {i} | {m} | {labels} | {n} | {st[HACK].fmt()} | {st[SOLVE].fmt()} | "
+        rows.append(f"| {i} | {m} | {_labels(arm)} | {st[HACK].n} | {st[HACK].fmt()} | {st[SOLVE].fmt()} | "
                     f"{st[FORMAT].fmt()} | {word} | {_pts(vs_none)} | {vs_gt} | {vr} |")
     return "\n".join(head + rows)

@@ -28,12 +28,12 @@ from projected_grpo.errors import UserError
 from projected_grpo.run import metrics, setup
 from projected_grpo.run import pool as P
 from projected_grpo.study import launch, report, start_eval
-from projected_grpo.study.arms import ARMS, RANDOM_TWIN, arm_sections, control_twins, describe_arm
+from projected_grpo.study.arms import ARMS, RANDOM_TWIN, arm_sections, describe_arm
 
-# the demo: the preregistered arms, the random-V and shuffled-V controls (on the demo organism a V from
-# shuffled
-# pairs cuts hacking nearly as the real one does: docs/findings.md 7.5), the positive control
-DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "shuffled_V", "gt_reward")
+# the demo: the preregistered arms, the controls that can fail (random, orientation, label, energy-matched;
+# docs/preregistration.md "Controls"), the positive control
+DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "shuffled_V", "within_V", "energy_V",
+                              "gt_reward")
 # demo --task -> (preset, arms): math trains honestly (strict verifier), so one arm, no projection
 DEMO_TASKS: dict[str, tuple[str, tuple[str, ...]]] = {"code": ("demo", DEMO_ARMS),
                                                       "math": ("math-demo", ("none",))}
@@ -228,7 +228,7 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
         config_diff=C.diff(presets.PRESETS[preset], user_base),
         arm_overrides={a: describe_arm(a) for a in arms},
         command=command, elapsed_s=time.perf_counter() - t0, notes=notes, eval_start=eval_start,
-        twins=control_twins(arms), shuffled=control_twins(arms, "@shuffled"), held_out=lomo)
+        held_out=lomo)
     return printed
 
 
@@ -241,7 +241,7 @@ class ExperimentOpts(presets.Base):
 
     arms: str = "none,erase,route"
     """comma-separated arms (`projected-grpo arms` prints the table); `<arm>@random` is a projection arm with
-    a random V (`@shuffled`, `@nonhack`: with those controls' V)"""
+    a random V (`@shuffled`, `@nonhack`, `@within`, `@energy`: with those controls' V)"""
     seeds: int = 1
     """seeds 0 .. N-1 per arm"""
     out: str = ""
@@ -260,19 +260,20 @@ class ExperimentOpts(presets.Base):
 
 @dataclass(frozen=True)
 class DemoOpts:
-    """The embedded demo: organism, teacher pool, V_hack, then arms none, erase, route, random_V (erase with a
-    random V) and gt_reward (the positive control) with the `demo` preset; prints the results table and
-    verdicts and writes report.md and curves.png under --out. `--task math`: the maths organism trained
-    honestly (strict verifier, arithmetic curriculum) with the `math-demo` preset, arm none; report.md adds
-    held-out accuracy against step (eval.png)."""
+    """The embedded demo: organism, teacher pool, V_hack, then arms none, erase, route, the controls random_V,
+    shuffled_V, within_V, energy_V (erase with a control V) and gt_reward (the positive control) with the
+    `demo` preset; prints the results table and verdicts and writes report.md and curves.png under --out.
+    `--task math`: the maths organism trained honestly (strict verifier, arithmetic curriculum) with the
+    `math-demo` preset, arm none; report.md adds held-out accuracy against step (eval.png)."""
 
     task: Literal["code", "math"] = "code"
-    """code: the loophole demo (arms none, erase, route, random_V, shuffled_V, gt_reward); math: honest GRPO
-    on arithmetic, held-out accuracy against step"""
+    """code: the loophole demo (arms DEMO_ARMS); math: honest GRPO on arithmetic, held-out accuracy against
+    step"""
     out: str = ""
     """sweep directory (empty = runs/demo-<time>)"""
-    seeds: int = 1
-    """seeds 0 .. N-1 per arm"""
+    seeds: int = 3
+    """seeds 0 .. N-1 per arm: 3, the fewest whose paired t-interval is of use (docs/preregistration.md,
+    "Statistics"); the report says how many each contrast needs"""
     jobs: int = 2
     """runs trained at once (each in its own process, one torch thread each: 2 fills a 2-core machine)"""
 

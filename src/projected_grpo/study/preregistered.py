@@ -2,21 +2,21 @@
 
 `projected-grpo study --preset demo --seeds 3` plans its parts under --out: `main/`, the study as
 preregistered (docs/preregistration.md; PREREGISTERED_ARMS: none, erase, route; the negative controls
-random_V, shuffled_V, nonhack_V; no_pool, pure student GRPO; and gt_reward, the positive control, the
-yardstick of "capability kept"; `--arms all` adds every other arm of arms.ARMS), and one
-`lomo-<mode>/` per loophole mode the base trains on (experiment.lomo_base: that mode held out of the
-teacher pool and of V_hack's pairs; arms --lomo-arms, default erase beside its random-V twin), and
-`interventions/`, the intervention bench (bench.py, docs/interventions.md; --interventions: every
-`<intervention>:<monitor>` arm, inoculation, erase_bounded, the random-V twins of those V acts in), on main's
-base, borrowing every arm main trains too (`none` and `gt_reward` by default). Every part is
-planned as `experiment` plans a sweep (experiment.plan_sweep), then ALL runs go to one launch.run_all, so
---jobs or --backend ray keep every core or node busy across parts. No run known to repeat another is
-trained: an arm whose runs would have the config of an earlier arm's (no_pool on a base without teacher
-rows is none) gets that arm's runs, and a fold without teacher rows in training borrows main's baselines
-`none` and `gt_reward` (holding a mode out then changes only V_hack and its pairs, which they do not use).
-Finished runs are skipped: rerunning the command resumes the study. Then each part gets its own report
-(report.py) and `report.md` at the top links them, with one table of every arm and fold and the bench's table.
-Not here: training, aggregation.
+random_V, shuffled_V (orientation), nonhack_V, within_V (label), energy_V (gradient energy); no_pool, pure
+student GRPO, and erase_no_pool; and gt_reward, the positive control, the yardstick of "capability kept";
+`--arms all` adds every other arm of arms.ARMS), one `lomo-<mode>/` per loophole mode the base trains on
+(experiment.lomo_base: that mode held out of the teacher pool and of V_hack's pairs; arms --lomo-arms, default
+erase beside its random-V twin), and `interventions/`, the intervention bench (bench.py,
+docs/interventions.md; --interventions: every `<intervention>:<monitor>` arm, inoculation, erase_bounded, the
+random-V twins of those V acts in), on main's base, borrowing every arm main trains too (`none` and
+`gt_reward` by default). Every part is planned as `experiment` plans a sweep (experiment.plan_sweep), then ALL
+runs go to one launch.run_all, so --jobs or --backend ray keep every core or node busy across parts. No run
+known to repeat another is trained: an arm whose runs would have the config of an earlier arm's (no_pool on a
+base without teacher rows is none, erase_no_pool is erase) gets that arm's runs, and a fold without teacher
+rows in training borrows main's baselines `none` and `gt_reward` (holding a mode out then changes only V_hack
+and its pairs, which they do not use). Finished runs are skipped: rerunning the command resumes the study.
+Then each part gets its own report (report.py) and `report.md` at the top links them, with one table of every
+arm and fold and the bench's table. Not here: training, aggregation.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ from projected_grpo import config as C
 from projected_grpo import presets, store
 from projected_grpo.errors import UserError
 from projected_grpo.study import arms as arms_table
-from projected_grpo.study import bench, experiment, launch, report
-from projected_grpo.study import verdicts as V
+from projected_grpo.study import bench, experiment, launch, report, tables
+from projected_grpo.study import verdict_text as VT
 
-# the preregistration's three arms, its three negative controls, no_pool, and the positive control gt_reward
+# the preregistration's three arms, its three negative controls and the two that can fail where they could
+# not (within_V: the label, energy_V: the gradient energy; docs/preregistration.md "Controls"), no_pool and
+# erase_no_pool (F5: imitation only?), and the positive control gt_reward
 PREREGISTERED_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "shuffled_V", "nonhack_V",
-                                       "no_pool", "gt_reward")
+                                       "within_V", "energy_V", "no_pool", "erase_no_pool", "gt_reward")
 # each fold: the preregistered projection arm beside its random-V twin
 LOMO_ARMS: tuple[str, ...] = ("erase", "random_V")
 # what a fold's verdicts read besides its arms: H1's baseline and the yardstick (no projection, no pairs)
@@ -166,24 +168,24 @@ def study(base: C.Config, seeds: Sequence[int], out: str | pathlib.Path, *, pres
 def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, preset: str, command: str,
                        counts: dict[str, int], elapsed_s: float) -> str:
     """Each part's report.md (report.write_report), then out/report.md: links to the parts, one table of every
-    arm and fold, H1 verdicts per part (each against its own `none`). Returns the printed summary."""
+    arm and fold, the verdicts per part (each against its own `none`). The main part's F6 (capability lost on
+    the held-out mode) reads every fold; a fold's reads its own mode. Returns the printed summary."""
     diff = C.diff(presets.PRESETS[preset], base)
     rows: dict[str, list] = {}
     verdicts = []
+    folds = {part.lomo: tables.aggregate_modes(by_arm) for part, _, by_arm, _ in planned if part.lomo}
     for part, _, by_arm, notes in planned:
-        twins = arms_table.control_twins(part.arms)
-        shuffled = arms_table.control_twins(part.arms, "@shuffled")
         n_seeds = len(next(iter(by_arm.values())))
         title = f"{preset} study, part {part.name}: {', '.join(part.arms)} x {n_seeds} seed(s)"
+        part_folds = folds if not part.lomo else {}
         report.write_report(out / part.name, by_arm, title=title, config_diff=diff,
-                            arm_overrides={a: experiment.describe_arm(a) for a in by_arm}, command=command,
-                            elapsed_s=elapsed_s, notes=notes, twins=twins, held_out=part.lomo,
-                            shuffled=shuffled)
+                            arm_overrides={a: arms_table.describe_arm(a) for a in by_arm}, command=command,
+                            elapsed_s=elapsed_s, notes=notes, held_out=part.lomo, folds=part_folds)
         label = (lambda a: a) if not part.lomo else (lambda a, m=part.lomo: f"{a} (without {m})")
         rows |= {label(a): dirs for a, dirs in by_arm.items() if a not in part.borrowed}
         verdicts += [f"### {part.name}", ""]
-        lines = report.verdict_lines(report.aggregate(by_arm), report.aggregate(by_arm, "start"), twins,
-                                     shuffled)
+        t = tables.tables(by_arm)
+        lines = VT.lines(t, part_folds if not part.lomo else {part.lomo: t.modes})
         verdicts += [f"- {v}" if not v.startswith("  ") else f"    - {v.strip()}" for v in lines]
         verdicts.append("")
     bench_md = []
@@ -191,10 +193,9 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
         if part.name == INTERVENTIONS:
             bench_md = ["## The intervention bench (docs/interventions.md; the verdict is ours, written down "
                         "before the runs)", "",
-                        bench.table(report.aggregate(by_arm), report.aggregate(by_arm, "start"),
-                                    [a for a in by_arm if a not in BASELINES]), ""]
+                        bench.table(tables.tables(by_arm), [a for a in by_arm if a not in BASELINES]), ""]
             store.write_text_atomic(out / part.name / "bench.md", "\n".join(bench_md) + "\n")
-    table = report.results_table(report.aggregate(rows))
+    table = report.results_table(tables.aggregate(rows))
     n_runs = sum(len(runs) for _, runs, _, _ in planned)
     md = [f"# The preregistered study on the `{preset}` preset", "", "Reproduce (rerun to resume):", "",
           "```", command, "```", "",
@@ -204,15 +205,11 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
     borrowed = lambda p: f" (borrowed from main: {', '.join(p.borrowed)})" if p.borrowed else ""
     md += [f"- [{p.name}]({p.name}/report.md): {held(p)}arms {', '.join(p.arms)}{borrowed(p)}"
            for p, _, _, _ in planned]
-    md += ["", f"## Every arm and fold (mean ± SEM over seeds of each run's last-{report.LAST}-step means)",
+    md += ["", f"## Every arm and fold (mean ± SEM over seeds of each run's last-{tables.LAST}-step means)",
            "", table, "", "A fold's row `arm (without MODE)` trains on every mode with MODE held out of the "
            "teacher pool and V_hack's pairs; its curves, the held-out mode's own rates and notes are in that "
-           "part's report.", "", *bench_md,
-           f"## Verdicts: preregistered H1 against the part's `none`: SUPPORT = hack down >= "
-           f"{100 * V.SUPPORT_HACK_DROP:.0f} pts with solve within ±{100 * V.SUPPORT_SOLVE_BAND:.0f} pts; "
-           f"FALSIFIED = hack down < {100 * V.FALSIFY_HACK_DROP:.0f} pts, or solve down > "
-           f"{100 * V.FALSIFY_SOLVE_DROP:.0f} pts, or the drop within 1 SEM of `none`; else INCONCLUSIVE "
-           "(lines marked `ours` are beyond the preregistration)", "", *verdicts]
+           "part's report.", "", *bench_md, "## Verdicts, per part against the part's own `none`", "",
+           *VT.rules_text(), *verdicts]
     store.write_text_atomic(out / "report.md", "\n".join(md) + "\n")
     return "\n".join([table, "", *bench_md, *[v for v in verdicts if v], f"report: {out / 'report.md'}"])
 
@@ -225,12 +222,13 @@ class StudyOpts(presets.Base):
     preset, then one report; further `--section.field VALUE` options change the base config. Rerun the
     printed command to resume it."""
 
-    seeds: int = 3
-    """seeds 0 .. N-1 per arm and fold"""
+    seeds: int = 8
+    """seeds 0 .. N-1 per arm and fold: 8, what a 15-point contrast needs at the spread seen so far
+    (docs/preregistration.md, "Statistics"); each report prints what every contrast needs"""
     out: str = ""
     """study directory (empty = runs/study-<preset>-<time>)"""
     arms: str = ",".join(PREREGISTERED_ARMS)
-    """comma-separated arms of the main part (`all`: every arm of experiment.ARMS)"""
+    """comma-separated arms of the main part (`all`: every arm of arms.ARMS)"""
     lomo_arms: str = ",".join(LOMO_ARMS)
     """comma-separated arms of each leave-one-mode-out fold (`none` is added, or borrowed from main)"""
     lomo_modes: str = ""
