@@ -236,7 +236,7 @@ def test_monitors_an_environment_cannot_serve_are_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="not among"):
         monitors.build(inp)
     inp = _inputs(tmp_path, "direction")
-    inp.cfg = C.replace(inp.cfg, proj={"n_heldout": 0})
+    inp.cfg = C.replace(inp.cfg, proj={"heldout_frac": 0.0})
     with pytest.raises(UserError, match="held-out pairs"):
         monitors.build(inp)
     inp.V_hack = {}

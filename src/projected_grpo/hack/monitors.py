@@ -299,16 +299,17 @@ def _direction(inp: MonitorInputs) -> Monitor:
     if not inp.V_hack:
         raise UserError(f"monitor.kind=direction: environment {inp.env.name!r} gave no V_hack (no hack and "
                         "clean templates to pair): give --proj.pairs FILE")
-    n = cfg.proj.n_heldout
     pair_list = resolve.v_pairs(cfg, inp.env, inp.train_problems)
-    if n < 1 or len(pair_list) <= n:
+    # the pairs V_hack's extraction held out (whole prompts, pairs.split_heldout): never fitted on
+    _, held = pairs.split_heldout(pair_list, cfg.proj.heldout_frac)
+    if not held:
         raise UserError(f"monitor.kind=direction: its threshold comes from V_hack's held-out pairs; "
-                        f"proj.n_heldout={n} of {len(pair_list)} pairs leaves none (need 1 <= n < pairs)")
+                        f"proj.heldout_frac={cfg.proj.heldout_frac} of {len(pair_list)} pairs holds none out")
     heldout = []
-    for p in pair_list[-n:]:
+    for p in held:
         prompt_ids, hack, clean = pairs.encode_pair(inp.tokenizer, p)
         heldout += [(prompt_ids, hack, True), (prompt_ids, clean, False)]
-    report = {"heldout_pairs": n, "rows": sum(len(v) for v in inp.V_hack.values()),
+    report = {"heldout_pairs": len(held), "rows": sum(len(v) for v in inp.V_hack.values()),
               "nll_norm": cfg.proj.nll_norm}
     return Direction(inp.model, inp.knobs, inp.V_hack, heldout, _pad_id(inp.tokenizer), cfg.proj.nll_norm,
                      float(cfg.rollout.dr_grpo_denom), report)
