@@ -244,6 +244,33 @@ def weight_hash(W: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dir_digests(path: str | os.PathLike) -> dict[str, str]:
+    """name -> sha256 of every file directly in `path`: what a cache entry records about itself when written,
+    so a later read can tell a whole entry from a damaged one (`digest_problem`)."""
+    return {f.name: file_sha256(f) for f in sorted(pathlib.Path(path).iterdir()) if f.is_file()}
+
+
+def digest_problem(path: str | os.PathLike, digests: dict[str, str]) -> str | None:
+    """What differs from the recorded `digests` (dir_digests) in directory `path`: a missing file or one
+    whose sha256 changed (truncated, a flipped byte); None when every recorded file is as written."""
+    for name, digest in digests.items():
+        f = pathlib.Path(path) / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if file_sha256(f) != digest:
+            return f"{name} differs from the sha256 recorded when it was written"
+    return None
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """Hash (16 hex) of the tokenizer's vocabulary, merges, special tokens and chat template. Not of its
     padding / truncation state, which transformers rewrites on every call with those options."""

@@ -16,7 +16,7 @@ import pathlib
 import re
 from collections.abc import Iterable, Mapping
 
-from projected_grpo.store import read_jsonl, write_text_atomic
+from projected_grpo.store import naming, read_jsonl, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -116,9 +116,10 @@ class MetricsLogger:
     def log(self, step: int, row: Mapping[str, object]) -> dict[str, object]:
         """Validate and append {"step": step, **row}; returns the written row."""
         clean = _clean_row(step, row)
-        self._f.write(json.dumps(clean, allow_nan=False) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())  # a SIGKILL after log() returns cannot lose this row
+        with naming(self.path):  # a full disk's error names the file
+            self._f.write(json.dumps(clean, allow_nan=False) + "\n")
+            self._f.flush()
+            os.fsync(self._f.fileno())  # a SIGKILL after log() returns cannot lose this row
         if self._tb is not None:
             for k, v in clean.items():
                 if k != "step" and isinstance(v, float):
