@@ -244,6 +244,6 @@ def pass_before(cfg: C.Config) -> None:
 def main(argv: list[str]) -> int:
     """`projected-grpo dpo`: parse (presets.parse, the train options), run DPO, print the summary."""
     cfg, _ = presets.parse(argv, prog="projected-grpo dpo", forbid=("--dpo.before",))
-    with session.removed_if_unstarted():  # a run that fails before its first step leaves no directory
+    with session.cleanup_on_failure():  # a run that fails before its first step leaves no directory
         train_dpo(cfg)
     return 0

@@ -14,6 +14,7 @@ import math
 import os
 import pathlib
 import re
+import weakref
 from collections.abc import Iterable, Mapping
 
 from projected_grpo.store import naming, read_jsonl, write_text_atomic
@@ -194,6 +195,9 @@ def summarize(rows: list[Mapping[str, object]], last: int = 5,
 PROGRESS_KEYS: dict[str, str] = {"reward": "reward/mean", "hack": "hack/student", "cin": "proj/cin"}
 
 
+_OPEN_BARS: weakref.WeakSet = weakref.WeakSet()  # Progress bars not closed yet (close_bars)
+
+
 class Progress:
     """tqdm bar over training steps whose postfix shows reward / hack / cin of the last row."""
 
@@ -202,6 +206,7 @@ class Progress:
 
         self.bar = tqdm(total=total, initial=initial, disable=disable, desc=desc, dynamic_ncols=True,
                         file=file)
+        _OPEN_BARS.add(self)
 
     def update(self, row: Mapping[str, object]) -> None:
         self.bar.set_postfix({short: f"{float(row[k]):.3f}" for short, k in PROGRESS_KEYS.items()
@@ -210,3 +215,11 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+        _OPEN_BARS.discard(self)
+
+
+def close_bars() -> None:
+    """Close every open Progress bar (a run that failed mid-step): its line ends, so the error printed next
+    starts a line of its own, and no bar redraws after it when the process exits."""
+    for bar in list(_OPEN_BARS):
+        bar.close()

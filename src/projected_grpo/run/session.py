@@ -10,8 +10,8 @@
   cursor_state / load_cursors   the cursors' checkpointed positions
   check_finite    a NaN/inf names the step, the source (student/teacher rows) and the module
   finish          summary.json (last-5-step means) and one greedy sample of the deployed model; unlocks
-  removed_if_unstarted   around a command: a run directory it created and never stepped in is removed
-                  when the command fails, so the same command can simply be run again
+  cleanup_on_failure   around a command: a run directory it created and never stepped in is removed
+                  when the command fails (so the same command can simply be run again); bars closed
 Every loop opens and closes through these, so the run directory, its lock, resume checks and torchrun's
 rank-0-writes rule (run/dist.py) are written once. Nothing here trains.
 """
@@ -86,14 +86,16 @@ def release(run_dir: str | pathlib.Path) -> None:
 
 
 @contextlib.contextmanager
-def removed_if_unstarted() -> Iterator[None]:
-    """Around a command: when it fails, every run directory it opened is unlocked, and removed when this
-    process created it and no step was logged or checkpointed there (a run that failed in setup or in its
-    first step), so the fixed command runs again as it is, not with --resume or a new --run-dir."""
+def cleanup_on_failure() -> Iterator[None]:
+    """Around a command: when it fails, its progress bars are closed (the error line starts a line of its
+    own) and every run directory it opened is unlocked, and removed when this process created it and no step
+    was logged or checkpointed there (a run that failed in setup or in its first step), so the fixed command
+    runs again as it is, not with --resume or a new --run-dir."""
     before = set(_HELD)
     try:
         yield
     except BaseException:
+        metrics.close_bars()
         for key in [k for k in _HELD if k not in before]:
             lock, created = _HELD.pop(key)
             if created and not started(key):

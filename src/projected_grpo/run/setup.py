@@ -176,6 +176,9 @@ def wrap_knobs(cfg: C.Config, model) -> adapters.Knobs:
     knobs = adapters.wrap(model, kind=cfg.model.knob, targets=cfg.model.targets or adapters.DEFAULT_TARGETS,
                           rank=cfg.model.rank or None, cache_dir=cache_dir(cfg) / "svd", seed=cfg.run.seed)
     if path := start_knobs(cfg):
+        if not pathlib.Path(path).is_file():
+            raise UserError(f"{'dpo.before' if cfg.dpo.before else 'model.init_knobs'}: {path}: no such knob "
+                            "file (a Knobs.save safetensors file, e.g. a run's ckpt-*/knobs.safetensors)")
         try:
             knobs.load(path)
         except ValueError as e:

@@ -223,7 +223,7 @@ def main(argv: list[str]) -> int:
     """`projected-grpo train`: parse (presets.parse), a DPO pass first when dpo.before, the loop loss.algo
     names (LOOPS), print the summary."""
     cfg, _ = presets.parse(argv, prog="projected-grpo train")
-    with session.removed_if_unstarted():  # a run that fails before its first step leaves no directory
+    with session.cleanup_on_failure():  # a run that fails before its first step leaves no directory
         dpo.pass_before(cfg)
         LOOPS[cfg.loss.algo](cfg)
     return 0
