@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -65,6 +66,22 @@ def test_resume_restores_state_or_resolves_fresh(tmp_path):
     assert torch.equal(V["m"], torch.eye(2, 3)) and torch.equal(torch.get_rng_state(), want_rng)
     assert all(torch.equal(a, b) for a, b in zip(knobs.parameters(), knobs2.parameters()))
     assert opt2.state_dict()["state"][0]["step"] == 1
+
+
+@pytest.mark.bitwise  # a promise across a save and a load: docs/reproducibility.md
+def test_grpo_resumed_from_a_checkpoint_equals_the_uninterrupted_run(tmp_path):
+    cfg = small(tmp_path, "full", proj={"arm": "route"})
+    T.train(cfg)
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "full", cut)
+    shutil.rmtree(cut / "ckpt-000004")  # as if killed after step 2's checkpoint
+    (cut / metrics.SUMMARY_FILE).unlink()
+    T.train(C.replace(cfg, run={"dir": str(cut), "resume": True}))
+    strip = lambda d: [{k: v for k, v in r.items() if not k.startswith("time/")}
+                       for r in metrics.read_rows(d / metrics.METRICS_FILE)]
+    assert [r["step"] for r in strip(cut)] == [0, 1, 2, 3] and strip(cut) == strip(tmp_path / "full")
+    a, b = (store.load_tensors(d / "ckpt-000004" / "knobs.safetensors")[0] for d in (tmp_path / "full", cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 # --- MovementGuard: a run whose knobs do not move stops -------------------------------------------------
