@@ -84,7 +84,7 @@ def _one_line(e: BaseException) -> str | None:
 def _die_with_parent() -> None:
     """Under a sweep (PARENT_ENV set): SIGTERM this process when the sweep dies, even by SIGKILL, so no run
     trains on as an orphan (Linux prctl PR_SET_PDEATHSIG); a sweep already gone: exit now."""
-    parent = os.environ.get(PARENT_ENV)
+    parent = os.environ.pop(PARENT_ENV, None)  # popped: what this process starts is not the sweep's run
     if not parent or not sys.platform.startswith("linux"):
         return
     import ctypes
