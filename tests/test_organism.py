@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import re
-import warnings
 
 import pytest
 import torch
@@ -350,47 +348,6 @@ def test_build_is_deterministic(built, small_corpus, tmp_path):
     again = build_organism(TINY, cache_dir=tmp_path, corpus=small_corpus, log=None)
     a, b = AutoModelForCausalLM.from_pretrained(path), AutoModelForCausalLM.from_pretrained(again)
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-
-
-@pytest.mark.parametrize("damage", ["truncate weights", "flip a byte", "delete tokenizer",
-                                    "bad organism.json", "unrecorded and truncated"])
-def test_a_damaged_cache_entry_is_named_and_rebuilt(small_corpus, tmp_path, damage):
-    build = lambda: build_organism(TINY, cache_dir=tmp_path, corpus=small_corpus, log=None)
-    path = build()
-    meta = json.loads((path / "organism.json").read_text())
-    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(meta["files"])  # sha256 recorded
-    weights = path / "model.safetensors"
-    good = weights.read_bytes()
-    if damage == "truncate weights":
-        weights.write_bytes(good[:-64])
-    elif damage == "flip a byte":  # still a loadable file: only the recorded sha256 can tell
-        weights.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
-    elif damage == "delete tokenizer":
-        (path / "tokenizer.json").unlink()
-    elif damage == "bad organism.json":
-        (path / "organism.json").write_text("{not json")
-    else:  # built before organism.json recorded its files: it must load
-        (path / "organism.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "files"}))
-        weights.write_bytes(good[:-64])
-    named = rf"organism cache {re.escape(str(path))} is corrupt \(.+\); rebuilding it"
-    with pytest.warns(UserWarning, match=named):
-        again = build()
-    assert again == path and (path / "model.safetensors").read_bytes() == good  # the same build, whole again
-    model, tok, _ = load_organism(path)
-    assert model is not None and tok.eos_token == "<|im_end|>"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a whole entry is found silently
-        assert build() == path
-
-
-def test_a_damaged_cached_tokenizer_is_named_and_trained_again(tmp_path):
-    texts = ["def f(x):\n    return x + 1\n"] * 20
-    tok = build_tokenizer(texts, vocab_size=300, cache_dir=tmp_path)
-    (cached,) = (tmp_path / "tokenizer").iterdir()
-    cached.write_text('{"truncated": ')
-    with pytest.warns(UserWarning, match=rf"tokenizer cache file {re.escape(str(cached))} is corrupt"):
-        again = build_tokenizer(texts, vocab_size=300, cache_dir=tmp_path)
-    assert again.get_vocab() == tok.get_vocab() and json.loads(cached.read_text())  # rewritten whole
 
 
 # --- checks -------------------------------------------------------------------------------------
