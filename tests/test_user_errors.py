@@ -133,9 +133,9 @@ def test_wrong_schema(d, capsys, monkeypatch, argv, pattern):
 
 
 @pytest.mark.parametrize("argv, pattern", [
-    # one pair, two held out (proj.n_heldout's default): nothing to fit V_hack on
-    (["train", "--proj.pairs", "{d}/onepair.jsonl"], r"V_hack: 1 contrastive pair\(s\) with 2 held out "
-                                                     r"\(proj.n_heldout\) leave none to fit"),
+    # one pair: no second clean completion of a prompt to build the non-hack control from
+    (["train", "--proj.pairs", "{d}/onepair.jsonl", "--proj.control", "nonhack"],
+     r"proj.control='nonhack' cannot be built from these pairs"),
     (["train", "--proj.pairs", "{d}/empty.jsonl"], r"pairs file .*empty.jsonl holds no pairs"),
     (["dpo", "--dpo.pairs", "{d}/onepair.jsonl", "--dpo.heldout-frac", "0.5"],
      r"dpo.heldout_frac=0.5: the pairs have 1 prompt\(s\), too few to hold some out"),
