@@ -20,8 +20,10 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml Makefile
 lint: install
 	$(BIN)/ruff check .
 
+# the bitwise promises again on MKL's SSE4.2 path, the one AMD CPUs take (docs/reproducibility.md)
 test: lint
 	$(BIN)/python -m pytest -q -m "not slow and not gpu"
+	MKL_ENABLE_INSTRUCTIONS=SSE4_2 $(BIN)/python -m pytest -q -m "bitwise and not slow and not gpu"
 
 test-slow: install
 	$(BIN)/python -m pytest -q -m "slow and not gpu"

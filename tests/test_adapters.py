@@ -133,6 +133,7 @@ def test_export_round_trip_with_stock_transformers(kind, include_quarantine, tmp
         knobs.export(tmp_path / "out")
 
 
+@pytest.mark.bitwise  # a promise across a save and a load: docs/reproducibility.md
 def test_knob_save_load_and_mismatch(tmp_path):
     model, x = tiny(), ids()
     knobs = wrap(model, "svd", cache_dir=tmp_path / "c")

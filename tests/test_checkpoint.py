@@ -55,6 +55,7 @@ def _draws():
     return random.random(), float(np.random.rand()), torch.rand(3).tolist()
 
 
+@pytest.mark.bitwise  # a promise across a save and a load: docs/reproducibility.md
 def test_round_trip_continues_exactly(tmp_path):
     knobs, knob, opt = _setup()
     path = _save(tmp_path, 7, knobs, opt)

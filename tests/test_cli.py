@@ -1,12 +1,15 @@
 """The CLI lists every subcommand and rejects unknown ones. Run: pytest tests/test_cli.py"""
 
+import errno
 import re
+import signal
 import subprocess
 import sys
 
 import pytest
 
 from projected_grpo.cli import COMMANDS, main
+from projected_grpo.errors import Interrupted, UserError
 
 
 def test_help_lists_every_command(capsys):
@@ -74,3 +77,42 @@ def test_truncated_checkpoint_file_is_one_line_and_debug_shows_the_traceback(tmp
     assert "Traceback" not in "\n".join(err)
     with pytest.raises(ValueError, match="optimizer.pt is corrupt"):  # --debug: the exception itself
         main([*resume, "--debug"])
+
+
+# --- which errors are one line: an input's (named), a signal's; a bug keeps its traceback ------------------
+
+def _raising(exc: BaseException):
+    def command(argv: list[str]) -> int:
+        raise exc
+    return command
+
+
+@pytest.mark.parametrize("exc, code, line", [
+    (UserError("pool.jsonl:3: field 'mode' must be str"), 2, "pool.jsonl:3: field 'mode' must be str"),
+    (PermissionError(errno.EACCES, "Permission denied", "/data/pool.jsonl"), 2,
+     "/data/pool.jsonl: Permission denied [EACCES]"),
+    (OSError(errno.ENOSPC, "No space left on device", "runs/x/metrics.jsonl"), 2,
+     "runs/x/metrics.jsonl: No space left on device [ENOSPC]"),
+    (FileNotFoundError("pairs file p.jsonl does not exist"), 2, "pairs file p.jsonl does not exist"),
+    (Interrupted(signal.SIGTERM, "stopped by SIGTERM: 2 running run(s) stopped"), 143,
+     "stopped by SIGTERM: 2 running run(s) stopped"),
+    (KeyboardInterrupt(), 130, "interrupted (Ctrl-C)"),
+])
+def test_input_errors_and_signals_are_one_line(monkeypatch, capsys, exc, code, line):
+    monkeypatch.setitem(sys.modules, "fake_cmd", type(sys)("fake_cmd"))
+    sys.modules["fake_cmd"].run = _raising(exc)
+    monkeypatch.setitem(COMMANDS, "fake", ("a fake command", "fake_cmd:run"))
+    assert main(["fake"]) == code
+    assert capsys.readouterr().err.strip().splitlines() == [f"projected-grpo fake: {line}"]
+    with pytest.raises(type(exc)):  # --debug: the traceback
+        main(["fake", "--debug"])
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("a bug"), OSError(errno.EIO, "I/O error"), KeyError("x")])
+def test_a_bug_keeps_its_traceback(monkeypatch, exc):
+    # an OSError that names no file cannot say which input to fix: it is reported as a bug, traceback and all
+    monkeypatch.setitem(sys.modules, "fake_cmd", type(sys)("fake_cmd"))
+    sys.modules["fake_cmd"].run = _raising(exc)
+    monkeypatch.setitem(COMMANDS, "fake", ("a fake command", "fake_cmd:run"))
+    with pytest.raises(type(exc)):
+        main(["fake"])

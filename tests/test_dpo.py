@@ -95,6 +95,7 @@ def _rows(run_dir: pathlib.Path) -> list[dict]:
             for r in metrics.read_rows(run_dir / "metrics.jsonl")]
 
 
+@pytest.mark.bitwise  # a promise across a save and a load: docs/reproducibility.md
 def test_smoke_dpo_raises_the_margin_is_finite_and_resumes_exactly(tmp_path):
     cfg = small(tmp_path, "full")
     summary = dpo.train_dpo(cfg)

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 import shutil
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -217,3 +221,67 @@ def test_study_without_teacher_rows_trains_equal_configs_once_and_folds_borrow_n
     assert "`none`: main's runs" in fold and str(out / "main" / "none-s0") in fold
     sweep = json.loads((out / "main" / "sweep.json").read_text())
     assert sweep["same"] == {"no_pool": "none"}
+
+
+# --- slow: a sweep owns its runs (SIGKILL or SIGTERM to it stops them; the same command resumes) -----------
+
+def _train_pids(plans: pathlib.Path) -> list[int]:
+    """Live `train --config <plans>/...` processes (the sweep's runs), from /proc."""
+    out = []
+    for p in pathlib.Path("/proc").iterdir():
+        try:
+            argv = (p / "cmdline").read_bytes().split(b"\0")
+            state = (p / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if b"train" in argv and any(a.startswith(str(plans).encode()) for a in argv) and state != "Z":
+            out.append(int(p.name))
+    return out
+
+
+def _wait_for(cond, what: str, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
+def test_killing_a_sweep_stops_every_run_and_the_same_command_resumes(tmp_path):
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-m", "projected_grpo.cli", "experiment", "--preset", "smoke", "--arms",
+           "none,erase", "--jobs", "2", "--out", str(out), "--run.steps", "10", "--run.checkpoint-every", "2",
+           *SMALL[2:]]
+    started = lambda: all((out / f"{a}-s0" / "ckpt-000002").is_dir() for a in ("none", "erase"))
+
+    # SIGKILL: the sweep cannot clean up, so its runs must die with it (the kernel's SIGTERM: PARENT_ENV)
+    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for(started, "both runs' first checkpoint")
+    assert len(_train_pids(out / "plans")) == 2
+    sweep.kill()
+    sweep.wait()
+    _wait_for(lambda: not _train_pids(out / "plans"), "the runs of a SIGKILLed sweep to die", timeout=30)
+
+    # SIGTERM mid-step: every run stopped, one line saying how to resume, exit 128 + 15
+    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _wait_for(lambda: all((out / f"{a}-s0" / "ckpt-000004").is_dir() for a in ("none", "erase")),
+              "both runs' second checkpoint")
+    time.sleep(0.2)
+    sweep.send_signal(signal.SIGTERM)
+    err = sweep.communicate(timeout=90)[1]
+    assert sweep.returncode == 128 + signal.SIGTERM
+    assert not _train_pids(out / "plans")  # none survives the sweep
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("projected-grpo experiment: stopped by SIGTERM: 2 running run(s) stopped, each at "
+                           "its last checkpoint; run `projected-grpo experiment --preset smoke")
+    assert "Traceback" not in err
+
+    # the same command resumes both from their checkpoints and finishes
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for arm in ("none", "erase"):
+        run = out / f"{arm}-s0"
+        assert [r["step"] for r in metrics.read_rows(run / metrics.METRICS_FILE)] == list(range(10))
+        assert (run / metrics.SUMMARY_FILE).is_file()
+        assert re.search(r"run \S+ from step [4-8] ", (run / launch.LOG_FILE).read_text())  # resumed

@@ -14,8 +14,11 @@ import pathlib
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from projected_grpo import models as M
+from projected_grpo import store
 from projected_grpo.errors import UserError
 
 ABSENT = M.Source("projected-grpo-no-such-dist", "0.0.0", "projected_grpo_no_such_module", "x.gguf",
@@ -29,11 +32,15 @@ def absent(monkeypatch) -> str:
 
 
 def fake_converted(root: pathlib.Path, name: str) -> pathlib.Path:
-    """A cache entry as get_model leaves one: config.json + the source record."""
+    """A cache entry as get_model leaves one: config, tokenizer, weights + the source record with their
+    sha256 (store.dir_digests)."""
     out = root / M.MODELS_DIR / name
     out.mkdir(parents=True)
     (out / "config.json").write_text("{}")
-    (out / M.SOURCE_FILE).write_text(json.dumps({"name": name, "sha256": "0" * 64}))
+    (out / "tokenizer.json").write_text("{}")
+    save_file({"w": torch.zeros(2)}, str(out / "model.safetensors"))
+    record = {"name": name, "sha256": "0" * 64, "files": store.dir_digests(out)}
+    (out / M.SOURCE_FILE).write_text(json.dumps(record))
     return out
 
 
@@ -67,10 +74,24 @@ def test_a_converted_copy_stands_without_its_package(absent, tmp_path):
     assert M.resolve_model(absent, cache_dir=tmp_path) == str(out)
 
 
-def test_a_foreign_directory_in_the_cache_is_refused(absent, tmp_path):
-    (tmp_path / M.MODELS_DIR / absent).mkdir(parents=True)
-    with pytest.raises(UserError, match="not a converted model"):
+def test_a_damaged_cache_entry_is_named_and_converted_again(absent, tmp_path):
+    out = fake_converted(tmp_path, absent)
+    weights = out / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-3])  # truncated: its recorded sha256 no longer matches
+    # without the source package here it cannot be converted again: one line saying how
+    with pytest.raises(UserError, match=r"absent is corrupt \(model.safetensors differs from the sha256.*"
+                                        r"run `projected-grpo get-model absent`"):
         M.get_model(absent, cache_dir=tmp_path, install=False)
+    (out / M.SOURCE_FILE).unlink()  # a directory that is not a converted model at all: the same
+    with pytest.raises(UserError, match=r"is corrupt \(no readable projected_grpo_source.json\)"):
+        M.get_model(absent, cache_dir=tmp_path, install=False)
+    # an entry converted before the record listed its files: the structure is checked instead
+    record = {"name": absent, "sha256": "0" * 64}
+    fake = fake_converted(tmp_path / "old", absent)
+    (fake / M.SOURCE_FILE).write_text(json.dumps(record))
+    assert M.entry_problem(fake, record) is None
+    (fake / "model.safetensors").write_bytes(b"garbage!")
+    assert "SafetensorError" in M.entry_problem(fake, record)
 
 
 def test_cli_prints_the_path_last_and_rejects_unknown_names(absent, tmp_path, capsys):
@@ -140,7 +161,6 @@ def test_conversion_is_exact_on_a_tiny_llama(tmp_path):
     """GGUF -> directory gives the same logits bit for bit (F32 has nothing to de-quantise; grouped
     query attention, 4 heads / 2 KV heads, exercises the K un-permutation), the same tokens, the chat
     template, and the source record."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from projected_grpo.organism.build import build_tokenizer, builtin_corpus
@@ -163,12 +183,14 @@ def test_conversion_is_exact_on_a_tiny_llama(tmp_path):
     x = torch.tensor([tok(text)["input_ids"]])
     with torch.no_grad():
         assert torch.equal(got(x).logits, model(x).logits)
-    assert json.loads((out / M.SOURCE_FILE).read_text()) == {"name": "tiny"}
+    record = json.loads((out / M.SOURCE_FILE).read_text())
+    written = {k: v for k, v in store.dir_digests(out).items() if k != M.SOURCE_FILE}
+    assert record == {"name": "tiny", "files": written} and M.entry_problem(out, record) is None
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(record["files"])
 
 
 @pytest.mark.slow
 def test_smollm2_converts_once_and_again_when_its_source_changes(tmp_path):
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = M.SOURCES["smollm2"]

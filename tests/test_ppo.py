@@ -190,6 +190,7 @@ def _rows(run_dir: pathlib.Path) -> list[dict]:
                                                                                            "metrics.jsonl")]
 
 
+@pytest.mark.bitwise  # a promise across a save and a load: docs/reproducibility.md
 def test_smoke_ppo_run_is_finite_and_a_stop_at_a_checkpoint_resumes_exactly(tmp_path):
     cfg = small(tmp_path, "full")
     summary = ppo.train_ppo(cfg)

@@ -328,13 +328,13 @@ def test_nan_gradient_stops_naming_step_source_and_module(runs, tmp_path, monkey
 
 
 def test_existing_run_dir_needs_resume(runs):
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(UserError, match="holds a run: pass --resume"):
         T.train(runs["erase"][0])
 
 
 def test_resume_with_changed_config_is_refused(runs):
     cfg = C.replace(runs["erase"][0], run={"resume": True}, loss={"beta": 0.5})
-    with pytest.raises(ValueError, match=r"another config: \['loss.beta: 0.0 -> 0.5'\]"):
+    with pytest.raises(UserError, match=r"another config: \['loss.beta: 0.0 -> 0.5'\]"):
         T.train(cfg)
 
 

@@ -3,16 +3,24 @@
 Each subcommand names the library function that implements it ("module:function"); that function
 takes the remaining argv and parses it itself (with tyro), so `projected-grpo --help` stays fast
 (nothing heavy is imported until a subcommand runs) and every option is documented where it is used.
-A user's mistake (errors.UserError, or a file that does not exist) prints its one-line message and exits
-2; anything else is a bug and keeps its traceback. `--debug` (anywhere) shows the traceback always.
+An error whose cause is an input prints one line and exits 2: errors.UserError (a file, flag, model
+directory, reward function or run directory that is not what was expected; the message names it), and an
+OSError that names its file (missing, unreadable, permission denied, a full disk: store.py names the file a
+failed write was writing). A command stopped by SIGTERM or Ctrl-C prints one line and exits 128 + the
+signal's number. Anything else is a bug and keeps its traceback; `--debug` (anywhere) shows it always.
+A command started by a sweep (study/launch.py sets PARENT_ENV) dies with the sweep: SIGTERM when it exits.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib
+import os
 import sys
 
-from projected_grpo.errors import UserError
+from projected_grpo.errors import Interrupted, UserError
+
+PARENT_ENV = "PROJECTED_GRPO_PARENT_PID"  # set by study/launch.py for each run it starts
 
 # name -> (one-line help, "module:function taking argv: list[str] and returning an exit code")
 COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
@@ -60,6 +68,34 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+def _one_line(e: BaseException) -> str | None:
+    """The one line for an error whose cause is an input, or None for a bug (which keeps its traceback)."""
+    if isinstance(e, UserError):
+        return str(e)
+    if isinstance(e, OSError) and e.filename is not None:  # the file is named: what it is and what failed
+        code = f" [{errno.errorcode[e.errno]}]" if e.errno in errno.errorcode else ""
+        other = f" -> {e.filename2}" if e.filename2 is not None else ""
+        return f"{e.filename}{other}: {e.strerror or e}{code}"
+    if isinstance(e, FileNotFoundError):  # raised by the project with the path in its message
+        return str(e)
+    return None
+
+
+def _die_with_parent() -> None:
+    """Under a sweep (PARENT_ENV set): SIGTERM this process when the sweep dies, even by SIGKILL, so no run
+    trains on as an orphan (Linux prctl PR_SET_PDEATHSIG); a sweep already gone: exit now."""
+    parent = os.environ.pop(PARENT_ENV, None)  # popped: what this process starts is not the sweep's run
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() != int(parent):  # it died before prctl: the signal will never come
+        sys.exit(f"projected-grpo: the sweep that started this run (pid {parent}) has exited")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv
@@ -71,14 +107,26 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"projected-grpo: unknown command {name!r}; known: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    _die_with_parent()
     module, func = COMMANDS[name][1].split(":")
     fn = getattr(importlib.import_module(module), func)
     try:
         return int(fn(rest) or 0)
-    except (UserError, FileNotFoundError) as e:
+    except Interrupted as e:
         if debug:
             raise
         print(f"projected-grpo {name}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print(f"projected-grpo {name}: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
+    except Exception as e:
+        line = _one_line(e)
+        if debug or line is None:
+            raise
+        print(f"projected-grpo {name}: {line}", file=sys.stderr)
         return 2
 
 

@@ -66,6 +66,8 @@ def config_from_json(cls, path: str):
             data = json.load(f)
         except json.JSONDecodeError as e:
             raise UserError(f"{path}: not valid JSON: {e}") from e
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path}: not UTF-8 text ({e.reason}); save it as UTF-8") from None
     if not isinstance(data, dict):
         raise UserError(f"{path}: expected a JSON object of sections, got {type(data).__name__}")
     return config_from_dict(cls, data, where=path)

@@ -11,7 +11,6 @@ Not here: loading the model for training (run/train.py) or anything that talks t
 
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -21,11 +20,13 @@ import shutil
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated
 
 import tyro
+from safetensors import SafetensorError, safe_open
 
 from projected_grpo import store
 from projected_grpo.errors import UserError
@@ -94,10 +95,15 @@ def get_model(name: str, cache_dir: str | os.PathLike | None = None, install: bo
     src = SOURCES[name]
     out = store.cache_root(cache_dir) / MODELS_DIR / name
     recorded = _read_source_record(out)
-    if recorded is None and out.exists():
-        raise UserError(f"{out} exists but is not a converted model (no {SOURCE_FILE}); remove it")
     gguf = find_gguf(src)
-    if recorded is not None and gguf is None:
+    damage = entry_problem(out, recorded) if out.exists() else None
+    if damage is not None:  # a damaged entry is converted again (it is ours: under the cache root)
+        if gguf is None and not install:
+            raise UserError(f"model cache {out} is corrupt ({damage}); run `projected-grpo get-model {name}` "
+                            "to convert it again")
+        warnings.warn(f"model cache {out} is corrupt ({damage}); converting it again", stacklevel=2)
+        recorded = {}  # set aside below, like an entry converted from another file
+    if recorded and gguf is None:
         return out  # the source wheel is not installed in this environment; the converted copy stands
     if gguf is None:
         if not install:
@@ -109,9 +115,9 @@ def get_model(name: str, cache_dir: str | os.PathLike | None = None, install: bo
             raise UserError(f"model {name!r}: installed {src.distribution}=={src.version} but its package "
                             f"{src.module!r} has no {src.gguf_file}")
     sha = sha256_file(gguf)
-    if recorded is not None and recorded.get("sha256") == sha:
+    if recorded and recorded.get("sha256") == sha:
         return out
-    if recorded is not None:
+    if recorded:
         log(f"{gguf}: sha256 {sha[:12]} differs from the one {out} was converted from "
             f"({str(recorded.get('sha256'))[:12]}); converting again")
     if not _module_available(GGUF_REQUIREMENT[0]):
@@ -124,7 +130,7 @@ def get_model(name: str, cache_dir: str | os.PathLike | None = None, install: bo
     record = {"name": name, "distribution": src.distribution, "version": _installed_version(src.distribution),
               "file": src.gguf_file, "sha256": sha}
     stale = None
-    if recorded is not None:  # converted from another file: set aside, removed once the new one is in place
+    if recorded is not None:  # converted from another file or damaged: set aside, removed once replaced
         stale = out.with_name(f".old-{name}-{os.getpid()}")
         os.replace(out, stale)
     with store.atomic_dir(out) as tmp:
@@ -201,25 +207,41 @@ def pip_install(distribution: str, version: str, log: Callable[[str], None]) -> 
     importlib.invalidate_caches()
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file's bytes, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+sha256_file = store.file_sha256  # the source file's, recorded with the conversion
 
 
 # --- the cache entry -------------------------------------------------------------------------------
 
 
 def _read_source_record(out: pathlib.Path) -> dict | None:
-    """The record of a complete converted directory, or None (absent, or not one of ours)."""
+    """The record of a converted directory, or None (absent or unreadable: entry_problem says which)."""
     try:
-        record = json.loads((out / SOURCE_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+        record = json.loads((out / SOURCE_FILE).read_bytes().decode("utf-8"))
+    except (OSError, ValueError):
         return None
-    return record if isinstance(record, dict) and (out / "config.json").is_file() else None
+    return record if isinstance(record, dict) else None
+
+
+def entry_problem(out: pathlib.Path, record: dict | None) -> str | None:
+    """What is wrong with the converted directory `out`, or None when it is whole: its record must read,
+    and every file the record lists have the sha256 written with it (conversions before that record: the
+    config and tokenizer must parse and every safetensors file's header must cover the file)."""
+    if record is None:
+        return f"no readable {SOURCE_FILE}"
+    if "files" in record:
+        return store.digest_problem(out, record["files"])
+    try:
+        for name in ("config.json", "tokenizer.json"):
+            json.loads((out / name).read_bytes().decode("utf-8"))
+        weights = sorted(out.glob("*.safetensors"))
+        if not weights:
+            return "no *.safetensors weights"
+        for w in weights:
+            with safe_open(str(w), framework="pt"):  # checks the header and that the data fills the file
+                pass
+    except (OSError, ValueError, SafetensorError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def convert_gguf(gguf: pathlib.Path, out: pathlib.Path, record: dict) -> None:
@@ -264,4 +286,5 @@ def convert_gguf(gguf: pathlib.Path, out: pathlib.Path, record: dict) -> None:
     again = AutoTokenizer.from_pretrained(str(out))
     if tok.chat_template and again.chat_template != tok.chat_template:
         raise RuntimeError(f"{out}: the chat template did not survive saving the tokenizer")
+    record = {**record, "files": store.dir_digests(out)}  # checked whenever the entry is found
     store.write_json_atomic(out / SOURCE_FILE, record)

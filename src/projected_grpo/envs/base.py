@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -155,6 +156,7 @@ class RewardFnEnv:
         if not rows:
             raise UserError("reward_fn environment: no prompts")
         self.fn, self.rows, self.system_prompt = fn, list(rows), system_prompt
+        self.fn_name = f"env.reward_fn {getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', fn)}"
 
     @classmethod
     def from_jsonl(cls, fn: Callable, path: str, max_rows: int = 0) -> RewardFnEnv:
@@ -176,13 +178,39 @@ class RewardFnEnv:
         return list(problem.prompt)
 
     def grade(self, completions: Sequence[str], problems: Sequence[PromptRow]) -> list[Graded]:
+        """One Graded per completion from the user's function, which is called once per batch; what it
+        returns is checked (a sequence of finite numbers, one per completion) and its exceptions are reported
+        as the user's (UserError naming the function; --debug shows its traceback)."""
+        if not completions:
+            return []
         keys = sorted({k for p in problems for k in p.columns})
         columns = {k: [p.columns.get(k) for p in problems] for k in keys}
-        rewards = self.fn(prompts=[p.prompt for p in problems], completions=list(completions), **columns)
-        if len(rewards) != len(completions):
-            raise ValueError(f"reward_fn returned {len(rewards)} rewards for {len(completions)} completions")
-        return [Graded(reward=float(r), gt_reward=float(r), passed=float(r) > 0, solved=False,
-                       exploited=False, format_ok=True) for r in rewards]
+        try:
+            rewards = self.fn(prompts=[p.prompt for p in problems], completions=list(completions), **columns)
+        except Exception as e:  # the user's code: one line naming it, the traceback under --debug
+            raise UserError(f"{self.fn_name} raised {type(e).__name__}: {e} (called on {len(completions)} "
+                            "completions; --debug shows its traceback)") from e
+        return [Graded(reward=r, gt_reward=r, passed=r > 0, solved=False, exploited=False, format_ok=True)
+                for r in self._checked(rewards, completions)]
+
+    def _checked(self, rewards: object, completions: Sequence[str]) -> list[float]:
+        """rewards as floats, or UserError naming the function, the index and what was expected."""
+        n, want = len(completions), f"expected a list of {len(completions)} finite floats, one per completion"
+        if isinstance(rewards, (str, bytes, Mapping)) or not hasattr(rewards, "__len__"):
+            raise UserError(f"{self.fn_name} returned a {type(rewards).__name__}; {want}")
+        if len(rewards) != n:
+            raise UserError(f"{self.fn_name} returned {len(rewards)} rewards for {n} completions; {want}")
+        out = []
+        for i, r in enumerate(rewards):
+            try:
+                x = float(r) if not isinstance(r, (str, bytes)) else None
+            except (TypeError, ValueError):
+                x = None
+            if x is None or not math.isfinite(x):
+                raise UserError(f"{self.fn_name} returned {r!r:.40} at index {i} (completion "
+                                f"{completions[i][:40]!r}); {want}")
+            out.append(x)
+        return out
 
     def templates(self, problem, kind: str) -> list[str]:
         return []

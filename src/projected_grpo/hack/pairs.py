@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from projected_grpo.errors import UserError
-from projected_grpo.store import read_jsonl
+from projected_grpo.store import read_jsonl, read_text
 
 Messages = tuple[dict[str, str], ...]
 
@@ -199,13 +199,12 @@ def load_pairs_file(path: str | pathlib.Path) -> list[Pair]:
     path = pathlib.Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"pairs file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
     pairs: list[Pair] = []
     if path.suffix == ".jsonl":
         pairs += [_pair_from_obj(obj, where) for where, obj in read_jsonl(path)]
     elif path.suffix == ".json":
         try:
-            items = json.loads(text)
+            items = json.loads(read_text(path, "pairs file"))  # a byte that is not UTF-8: file, line, column
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
         if not isinstance(items, list):

@@ -24,7 +24,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
 
-from projected_grpo.organism import shipped
+from projected_grpo.organism import cache, shipped
 from projected_grpo.organism.augment import FORMULAS, NAME_PARTS
 from projected_grpo.organism.warmup import (
     KINDS,
@@ -35,7 +35,7 @@ from projected_grpo.organism.warmup import (
     warmup_examples,
     with_extras,
 )
-from projected_grpo.store import atomic_dir, cache_root, stable_hash, write_text_atomic
+from projected_grpo.store import atomic_dir, cache_root, dir_digests, stable_hash, write_text_atomic
 
 # Special tokens: <|endoftext|> separates documents, ChatML turns are <|im_start|>role\n...<|im_end|>,
 # the model ends its answer with <|im_end|> (= eos, as in Qwen2 chat models), <|pad|> only pads.
@@ -111,9 +111,8 @@ def build_tokenizer(texts: list[str], vocab_size: int = 1024, *, word_boundaries
     if split_digits:  # only when set, so every key made before the option existed stays the same
         spec["split_digits"] = True
     path = cache_root(cache_dir) / "tokenizer" / f"{stable_hash(spec)}.json"
-    if path.is_file():
-        raw = Tokenizer.from_str(path.read_text(encoding="utf-8"))
-    else:
+    raw = cache.read_tokenizer(path)  # None: absent, or damaged (a warning names it)
+    if raw is None:
         raw = _train_raw_tokenizer(list(texts), vocab_size, word_boundaries, split_digits)
         write_text_atomic(path, raw.to_str())
     return _wrap_tokenizer(raw)
@@ -304,7 +303,7 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     full = _with_extras(cfg, corpus, held_out)  # made once: the key hashes it and the warm-up trains on it
     key = organism_key(cfg, corpus, split_digits, full)
     out = cache_root(cache_dir) / "organism" / (f"{key}-rebuilt" if rebuild else key)
-    if (out / "organism.json").is_file() and not rebuild:
+    if not rebuild and cache.entry_ok(out, load_organism):  # a damaged entry: removed with a warning
         if log:
             log(f"organism: cached at {out}")
         return out
@@ -349,6 +348,7 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     with atomic_dir(out) as tmp:  # a concurrent build that finished first wins
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        meta["files"] = dir_digests(tmp)  # checked whenever the entry is found (cache.entry_ok)
         (tmp / "organism.json").write_text(json.dumps(meta, indent=1), encoding="utf-8")
     if log:
         log(f"organism: built in {meta['build_s']:.0f}s -> {out}")

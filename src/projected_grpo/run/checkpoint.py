@@ -14,6 +14,7 @@ Not here: what the cursors mean (batches.py, pool.py) or how knob tensors map on
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pathlib
@@ -181,9 +182,14 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, knobs, V_hack: dic
         else:
             os.replace(tmp, final)
         _fsync_dir(run_dir)
-    except BaseException:
+    except BaseException as e:
         if tmp.exists():
-            shutil.rmtree(tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # a full disk, a read-only or unwritable run directory: the input's fault
+            code = f" [{errno.errorcode.get(e.errno, e.errno)}]" if e.errno else ""
+            raise UserError(f"checkpoint {final}: cannot write it ({e.strerror or e}{code}); the checkpoints "
+                            f"already in {run_dir} are whole: free space or fix the directory, then continue "
+                            "with --resume") from e
         raise
     write_text_atomic(run_dir / LATEST_FILE, name + "\n")
     if keep_last is not None:

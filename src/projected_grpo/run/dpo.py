@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pathlib
 import sys
 import time
@@ -133,6 +134,10 @@ def train_dpo(cfg: C.Config) -> dict:
     if cfg.proj.refresh_every:
         raise UserError("config: proj.refresh_every (online V_hack refresh) is run by the GRPO loop only; "
                         "for DPO set it to 0")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank would write the one run dir
+        raise UserError("config: DPO trains in one process; run `projected-grpo dpo` without torchrun, "
+                        "then start the data-parallel run from its knobs (--model.init-knobs "
+                        "RUN/knobs.safetensors)")
     cfg, ck = session.open_run(cfg, "dpo")
     run_dir = pathlib.Path(cfg.run.dir)
     model, tok = setup.load_model(cfg)
@@ -151,14 +156,10 @@ def train_dpo(cfg: C.Config) -> dict:
         opt = torch.optim.AdamW([{"params": knobs.parameters()}, {"params": knobs.hack_parameters()}],
                                 lr=cfg.dpo.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
                                 weight_decay=cfg.optim.weight_decay)
-        if ck is not None:
-            ck.load_knobs(knobs)
-            V_hack, v_line = ck.V_hack, f"V_hack from {ck.path}"
-            opt.load_state_dict(ck.optimizer_state)
-            checkpoint.restore_rng(ck)
-        else:
-            V_hack, v_line = resolve.resolve_v_hack(cfg, model, knobs, tok, env, train_problems)
-        start = ck.step if ck is not None else 0
+        # no cursors: a step's pairs are a function of the step alone (batch_indices)
+        V_hack, v_line, start = session.resume(ck, knobs, opt, fresh=lambda: (
+            resolve.resolve_v_hack(cfg, model, knobs, tok, env, train_problems)))
+        guard = session.MovementGuard(knobs)  # fail closed: knobs that do not move stop the run
         metrics.truncate_to(run_dir, start - 1)
         logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
         bar = metrics.Progress(cfg.dpo.steps, initial=start, desc="dpo")
@@ -184,6 +185,7 @@ def train_dpo(cfg: C.Config) -> dict:
             set_lr(opt, lr)
             stats |= {k: float(v) for k, v in projected_step(cfg, opt, knobs, V_hack).items()}
             grad_norm = stats.pop("grad/norm")
+            guard.after_step(step, grad_norm=grad_norm)
             if held:
                 with torch.no_grad():
                     h_loss, h_stats = _loss(cfg, seq_logps(model, tok, [items[i] for i in held], dev, chunk),
@@ -203,7 +205,9 @@ def train_dpo(cfg: C.Config) -> dict:
         bar.close()
         logger.close()
     knobs.save(run_dir / setup.KNOBS_FILE)
-    return _summary(cfg, run_dir, n_fit=len(fit), n_heldout=len(held), v_hack=v_line)
+    summary = _summary(cfg, run_dir, n_fit=len(fit), n_heldout=len(held), v_hack=v_line)
+    session.release(run_dir)
+    return summary
 
 
 def _summary(cfg: C.Config, run_dir: pathlib.Path, **extra) -> dict:
@@ -240,5 +244,6 @@ def pass_before(cfg: C.Config) -> None:
 def main(argv: list[str]) -> int:
     """`projected-grpo dpo`: parse (presets.parse, the train options), run DPO, print the summary."""
     cfg, _ = presets.parse(argv, prog="projected-grpo dpo", forbid=("--dpo.before",))
-    train_dpo(cfg)
+    with session.cleanup_on_failure():  # a run that fails before its first step leaves no directory
+        train_dpo(cfg)
     return 0

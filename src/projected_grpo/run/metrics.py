@@ -14,9 +14,10 @@ import math
 import os
 import pathlib
 import re
+import weakref
 from collections.abc import Iterable, Mapping
 
-from projected_grpo.store import read_jsonl, write_text_atomic
+from projected_grpo.store import naming, read_jsonl, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
@@ -116,9 +117,10 @@ class MetricsLogger:
     def log(self, step: int, row: Mapping[str, object]) -> dict[str, object]:
         """Validate and append {"step": step, **row}; returns the written row."""
         clean = _clean_row(step, row)
-        self._f.write(json.dumps(clean, allow_nan=False) + "\n")
-        self._f.flush()
-        os.fsync(self._f.fileno())  # a SIGKILL after log() returns cannot lose this row
+        with naming(self.path):  # a full disk's error names the file
+            self._f.write(json.dumps(clean, allow_nan=False) + "\n")
+            self._f.flush()
+            os.fsync(self._f.fileno())  # a SIGKILL after log() returns cannot lose this row
         if self._tb is not None:
             for k, v in clean.items():
                 if k != "step" and isinstance(v, float):
@@ -193,6 +195,9 @@ def summarize(rows: list[Mapping[str, object]], last: int = 5,
 PROGRESS_KEYS: dict[str, str] = {"reward": "reward/mean", "hack": "hack/student", "cin": "proj/cin"}
 
 
+_OPEN_BARS: weakref.WeakSet = weakref.WeakSet()  # Progress bars not closed yet (close_bars)
+
+
 class Progress:
     """tqdm bar over training steps whose postfix shows reward / hack / cin of the last row."""
 
@@ -201,6 +206,7 @@ class Progress:
 
         self.bar = tqdm(total=total, initial=initial, disable=disable, desc=desc, dynamic_ncols=True,
                         file=file)
+        _OPEN_BARS.add(self)
 
     def update(self, row: Mapping[str, object]) -> None:
         self.bar.set_postfix({short: f"{float(row[k]):.3f}" for short, k in PROGRESS_KEYS.items()
@@ -209,3 +215,11 @@ class Progress:
 
     def close(self) -> None:
         self.bar.close()
+        _OPEN_BARS.discard(self)
+
+
+def close_bars() -> None:
+    """Close every open Progress bar (a run that failed mid-step): its line ends, so the error printed next
+    starts a line of its own, and no bar redraws after it when the process exits."""
+    for bar in list(_OPEN_BARS):
+        bar.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import os
 import pathlib
 import sys
 import time
@@ -227,6 +228,9 @@ def train_ppo(cfg: C.Config) -> dict:
     if cfg.proj.refresh_every:
         raise UserError("config: proj.refresh_every (online V_hack refresh) is run by the GRPO loop only; "
                         "with loss.algo ppo set it to 0")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: its updates are not sharded over ranks
+        raise UserError("config: loss.algo ppo trains in one process; run it without torchrun (data-parallel "
+                        "training under torchrun is GRPO's: loss.algo grpo)")
     cfg, ck = session.open_run(cfg, f"ppo-{cfg.proj.arm}")
     run_dir = pathlib.Path(cfg.run.dir)
     model, tok = setup.load_model(cfg)
@@ -235,20 +239,13 @@ def train_ppo(cfg: C.Config) -> dict:
     with contextlib.closing(setup.make_env(cfg)) as env:
         data = session.open_data(cfg, env, tok, run_dir)
         opt = make_optimizer(cfg, knobs, head)
-        if ck is not None:
-            ck.load_knobs(knobs)
-            head.load_state(ck.extra, where=f"checkpoint {ck.path}")
-            V_hack, v_line = ck.V_hack, f"V_hack from {ck.path}"
-            opt.load_state_dict(ck.optimizer_state)
-            session.load_cursors(data, ck)
-            checkpoint.restore_rng(ck)
-        else:
-            V_hack, v_line = resolve.resolve_v_hack(cfg, model, knobs, tok, env, data.sets["train"])
+        V_hack, v_line, start = session.resume(ck, knobs, opt, data, extra=head, fresh=lambda: (
+            resolve.resolve_v_hack(cfg, model, knobs, tok, env, data.sets["train"])))
+        guard = session.MovementGuard(knobs)  # fail closed: knobs that do not move stop the run
         # a monitor's verdict reaches PPO through the rewards (penalty); screen and advantage act on GRPO's
         # group advantages and are refused for PPO (config.py)
         monitor = intervene.open_monitor(cfg, model, knobs, tok, env, data.sets, data.prompt_ids, V_hack,
                                          run_dir)
-        start = ck.step if ck is not None else 0
         metrics.truncate_to(run_dir, start - 1)
         logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
         bar = metrics.Progress(cfg.run.steps, initial=start)
@@ -266,6 +263,7 @@ def train_ppo(cfg: C.Config) -> dict:
             t_bwd = time.perf_counter() - t0
             means = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0]}
             grad_norm = means.pop("grad/norm")
+            guard.after_step(step, grad_norm=grad_norm)  # PPO trains on every group: every step informative
             if not math.isfinite(float(gae_stats["value/explained_var"])):  # Var(returns) = 0: undefined
                 del gae_stats["value/explained_var"]
             extra: dict = {}

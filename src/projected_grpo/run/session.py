@@ -1,21 +1,30 @@
-"""What a training loop does around its steps, for the loops beside train.py's GRPO (run/ppo.py, run/dpo.py).
+"""What a training loop does around its steps, for every loop (train.py's GRPO, run/ppo.py, run/dpo.py).
 
-  open_run        the run directory (refused when it holds a run and run.resume is off) and the checkpoint to
-                  resume from, its config checked against this one; seeding of every RNG
+  open_run        the run directory, locked for this process (one writer: RunLocked for a second one),
+                  refused when it holds a started run and run.resume is off, and the checkpoint to resume
+                  from, its config checked against this one; seeding of every RNG
   open_data       the prompt cursors and teacher pool of the rollout step (batches.py), pool.missing applied
-  cursor_state / load_cursors   their checkpointed positions
+  resume          the checkpoint's knobs, V_hack, optimizer, extra tensors, cursors and RNG restored, or a
+                  fresh V_hack: the one resume path of every loop
+  MovementGuard   fail closed when training does not train: knobs unmoved after their first informative steps
+  cursor_state / load_cursors   the cursors' checkpointed positions
   check_finite    a NaN/inf names the step, the source (student/teacher rows) and the module
-  finish          summary.json (last-5-step means) and one greedy sample of the deployed model
-Every loop (train.py's GRPO, ppo.py, dpo.py) opens and closes through these, so the run directory, resume
-checks and torchrun's rank-0-writes rule (run/dist.py) are written once. Nothing here trains.
+  finish          summary.json (last-5-step means) and one greedy sample of the deployed model; unlocks
+  cleanup_on_failure   around a command: a run directory it created and never stepped in is removed
+                  when the command fails (so the same command can simply be run again); bars closed
+Every loop opens and closes through these, so the run directory, its lock, resume checks and torchrun's
+rank-0-writes rule (run/dist.py) are written once. Nothing here trains.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import random
+import shutil
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +32,7 @@ import torch
 
 from projected_grpo import config as C
 from projected_grpo import store
-from projected_grpo.errors import UserError
+from projected_grpo.errors import RunLocked, TrainingStalled, UserError
 from projected_grpo.run import checkpoint, dist, metrics, setup
 from projected_grpo.run.pool import PoolCursor, PromptCursor
 from projected_grpo.sampling.pack import encode_prompt
@@ -34,27 +43,82 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+LOCK_FILE = "writer.lock"  # in the run directory: flock'd by the process writing it (store.DirLock)
+# run directory (resolved) -> (its lock, whether this process created the directory)
+_HELD: dict[pathlib.Path, tuple[store.DirLock, bool]] = {}
+
+
+def started(run_dir: pathlib.Path) -> bool:
+    """Whether run_dir holds a started run: a checkpoint or a logged step. A directory left by a run that
+    failed or was killed before its first step holds neither and is free for a plain rerun."""
+    if checkpoint.checkpoints(run_dir):
+        return True
+    path = run_dir / metrics.METRICS_FILE
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return any(line.strip() for line in f)
+
+
+def _lock(run_dir: pathlib.Path) -> None:
+    """Create run_dir if missing and take its lock for this process; RunLocked if another process holds it.
+    This process's own lock from an earlier run in it (ended by an exception) is taken again."""
+    key = run_dir.resolve()
+    if key in _HELD:
+        _HELD.pop(key)[0].release()
+    created = not run_dir.exists()
+    with store.naming(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = store.DirLock(run_dir / LOCK_FILE)
+    except store.Locked as e:
+        raise RunLocked(f"{run_dir} is being written by another process ({e.holder or 'unknown pid'}): a run "
+                        "directory has one writer; wait for that process to end or stop it, then rerun "
+                        "(with --resume to continue the run)") from None
+    _HELD[key] = (lock, created)
+
+
+def release(run_dir: str | pathlib.Path) -> None:
+    """Unlock run_dir if this process holds it (the end of a run; exit and crashes unlock it too)."""
+    held = _HELD.pop(pathlib.Path(run_dir).resolve(), None)
+    if held is not None:
+        held[0].release()
+
+
+@contextlib.contextmanager
+def cleanup_on_failure() -> Iterator[None]:
+    """Around a command: when it fails, its progress bars are closed (the error line starts a line of its
+    own) and every run directory it opened is unlocked, and removed when this process created it and no step
+    was logged or checkpointed there (a run that failed in setup or in its first step), so the fixed command
+    runs again as it is, not with --resume or a new --run-dir."""
+    before = set(_HELD)
+    try:
+        yield
+    except BaseException:
+        metrics.close_bars()
+        for key in [k for k in _HELD if k not in before]:
+            lock, created = _HELD.pop(key)
+            if created and not started(key):
+                shutil.rmtree(key, ignore_errors=True)  # under the lock: no other process is in it
+            lock.release()
+        raise
+
+
 def open_run(cfg: C.Config, name: str) -> tuple[C.Config, checkpoint.Checkpoint | None]:
     """(the config with run.dir resolved, the checkpoint to resume from or None); the run directory is
-    created, config.json written and every RNG seeded. name: the default directory's middle part, e.g.
-    "ppo-none"."""
+    created and locked (rank 0 under torchrun: only it writes), config.json written and every RNG seeded.
+    name: the default directory's middle part, e.g. "ppo-none"."""
     run_dir = pathlib.Path(cfg.run.dir or dist.from_main(f"runs/{cfg.model.source}-{name}-s{cfg.run.seed}-"
                                                          f"{time.strftime('%Y%m%d-%H%M%S')}"))
-    if (run_dir / metrics.METRICS_FILE).exists() and not cfg.run.resume:
-        raise FileExistsError(f"{run_dir} holds a run: pass --resume to continue it or a new --run-dir")
-    cfg = C.replace(cfg, run={"dir": str(run_dir)})
-    ckpt_path = checkpoint.latest_checkpoint(run_dir) if cfg.run.resume else None
-    ck = checkpoint.load_checkpoint(ckpt_path) if ckpt_path else None
-    if ck is not None:  # run.dir may differ: a run directory can be moved and resumed where it is now
-        old = C.Config.from_dict(ck.config, where=f"{ckpt_path} config")
-        if diff := C.diff(old, cfg, ("run.resume", "run.steps", "run.dir")):
-            raise ValueError(f"--resume: {ckpt_path} was written with another config: {diff}")
-        dist.check_world_size(ck.cursors.get("world_size", 1), ckpt_path)  # the shards depend on it
-        if old.run.steps != cfg.run.steps:
-            _log(f"--resume: run.steps {old.run.steps} -> {cfg.run.steps}: the cosine LR schedule now spans "
-                 f"{cfg.run.steps} steps, so from step {ck.step} on this is not the run the first command "
-                 "would have finished")
+    if dist.is_main():
+        _lock(run_dir)
+    try:
+        ck = _checked_checkpoint(cfg, run_dir)
+    except BaseException:
+        release(run_dir)
+        raise
     run_dir.mkdir(parents=True, exist_ok=True)
+    cfg = C.replace(cfg, run={"dir": str(run_dir)})
     if dist.is_main():  # under torchrun only rank 0 writes (config, metrics, checkpoints, summary)
         store.write_json_atomic(run_dir / "config.json", cfg.to_dict())
     if cfg.run.threads:
@@ -63,6 +127,90 @@ def open_run(cfg: C.Config, name: str) -> tuple[C.Config, checkpoint.Checkpoint 
     np.random.seed(cfg.run.seed)
     torch.manual_seed(cfg.run.seed)
     return cfg, ck
+
+
+def _checked_checkpoint(cfg: C.Config, run_dir: pathlib.Path) -> checkpoint.Checkpoint | None:
+    """The checkpoint --resume continues from (None: a fresh run), refused when it was written with other
+    settings or world size; a started run without --resume is refused."""
+    if not cfg.run.resume:
+        if started(run_dir):
+            raise UserError(f"{run_dir} holds a run: pass --resume to continue it, or a new --run-dir")
+        return None
+    ckpt_path = checkpoint.latest_checkpoint(run_dir)
+    if ckpt_path is None:
+        return None
+    ck = checkpoint.load_checkpoint(ckpt_path)
+    # run.dir may differ: a run directory can be moved and resumed where it is now
+    old = C.Config.from_dict(ck.config, where=f"{ckpt_path} config")
+    if diff := C.diff(old, C.replace(cfg, run={"dir": str(run_dir)}), ("run.resume", "run.steps", "run.dir")):
+        raise UserError(f"--resume: {ckpt_path} was written with another config: {diff}; resume with the "
+                        "config it was written with, or start a new --run-dir")
+    dist.check_world_size(ck.cursors.get("world_size", 1), ckpt_path)  # the shards depend on it
+    if old.run.steps != cfg.run.steps:
+        _log(f"--resume: run.steps {old.run.steps} -> {cfg.run.steps}: the cosine LR schedule now spans "
+             f"{cfg.run.steps} steps, so from step {ck.step} on this is not the run the first command "
+             "would have finished")
+    return ck
+
+
+def resume(ck: checkpoint.Checkpoint | None, knobs, opt: torch.optim.Optimizer, data: Data | None = None, *,
+           fresh: Callable[[], tuple[dict, str]], extra=None) -> tuple[dict, str, int]:
+    """(V_hack, the line saying where it came from, the first step), for every loop. With a checkpoint its
+    state is restored in place: knobs, `extra` (an object with load_state(tensors, where), e.g. PPO's value
+    head), optimizer, the data cursors (when the loop has them) and, last, every RNG; V_hack is the
+    checkpoint's (a resumed run never re-extracts). Without one: fresh() gives V_hack (rank 0 first under
+    torchrun, as it fills the cache the others read) and training starts at step 0."""
+    if ck is None:
+        with dist.main_first():
+            V_hack, v_line = fresh()
+        return V_hack, v_line, 0
+    ck.load_knobs(knobs)
+    if extra is not None:
+        extra.load_state(ck.extra, where=f"checkpoint {ck.path}")
+    opt.load_state_dict(ck.optimizer_state)
+    if data is not None:
+        load_cursors(data, ck)
+    checkpoint.restore_rng(ck)  # last: nothing above may draw from the restored streams
+    return ck.V_hack, f"V_hack from {ck.path}", ck.step
+
+
+STALL_STEPS = 3  # informative steps after which knobs that have not moved stop the run (MovementGuard)
+
+
+class MovementGuard:
+    """Fail closed when training does not train. Fed every step after its update, it compares the knobs
+    (main and quarantine) after the first `steps` informative steps (steps with a learning signal: not every
+    group zero-variance) with their values when the guard was made; if not one value moved it raises
+    TrainingStalled with the likely cause (every gradient zero: a detached graph or a loss that does not
+    reach the knobs; else the optimizer did not step them: a zero learning rate, knobs outside its groups).
+    One AdamW step with a non-zero gradient moves a knob by about lr, so a live run never trips it. After
+    that one check it costs nothing. A resumed run is checked again from its resume step."""
+
+    def __init__(self, knobs, steps: int = STALL_STEPS):
+        if steps < 1:
+            raise ValueError(f"MovementGuard: steps must be >= 1, got {steps}")
+        self.params = knobs.parameters() + knobs.hack_parameters()
+        self.start: list[torch.Tensor] | None = [p.detach().clone() for p in self.params]
+        self.steps, self.seen, self.grad_max = steps, 0, 0.0
+
+    def after_step(self, step: int, informative: bool = True, grad_norm: float | None = None) -> None:
+        """Count `step` (after its optimizer update) when informative; check at the steps-th one."""
+        if self.start is None or not informative:
+            return
+        self.seen += 1
+        self.grad_max = max(self.grad_max, abs(float(grad_norm or 0.0)))
+        if self.seen < self.steps:
+            return
+        moved = any(not torch.equal(p.detach(), s) for p, s in zip(self.params, self.start))
+        self.start = None
+        if moved:
+            return
+        why = ("every knob gradient was zero: no gradient reaches the knobs (a detached graph, or a loss "
+               "that does not depend on them)" if self.grad_max == 0.0 else
+               f"the gradients were not zero (norm up to {self.grad_max:.3g}) but the optimizer did not move "
+               "the knobs (a zero learning rate, or knobs missing from its parameter groups)")
+        raise TrainingStalled(f"step {step}: the knobs have not moved in {self.seen} informative steps, so "
+                              f"this run does not train: {why}")
 
 
 @dataclass
@@ -91,7 +239,7 @@ def open_data(cfg: C.Config, env, tok, run_dir: pathlib.Path) -> Data:
     ids = {stage: [p.id for p in ps] for stage, ps in sets.items() if stage != "eval"}
     missing = pool.missing(ids["train"]) if cfg.rollout.G_t else []
     if missing and cfg.pool.missing == "error":
-        raise ValueError(f"teacher pool {pool.path}: no rows for {len(missing)} problems {missing[:8]}; "
+        raise UserError(f"teacher pool {pool.path}: no rows for {len(missing)} problems {missing[:8]}; "
                          "extend the pool or set --pool.missing restrict (or students)")
     if missing:
         _log(f"teacher pool {pool.path}: no rows for {len(missing)}/{len(ids['train'])} problems {missing}: "
@@ -99,8 +247,13 @@ def open_data(cfg: C.Config, env, tok, run_dir: pathlib.Path) -> Data:
                 "their groups are all student samples"))
         if cfg.pool.missing == "restrict":
             ids["train"] = [i for i in ids["train"] if i not in missing]
+            if not ids["train"]:
+                raise UserError(f"teacher pool {pool.path}: no rows for any of the {len(missing)} train "
+                                "problems, and --pool.missing restrict leaves none to train on; give a pool "
+                                "for these problems, or train without one (--rollout.mix 0) or with "
+                                "--pool.missing students")
     if cfg.loss.teacher == "importance" and cfg.rollout.G_t and not pool.has_behaviour_logp():
-        raise ValueError(f"--loss.teacher importance needs behaviour log-probs, but {pool.path} has rows "
+        raise UserError(f"--loss.teacher importance needs behaviour log-probs, but {pool.path} has rows "
                          "with logp_behaviour=null (template rows); build it with --source teacher")
     prompt_ids = {i: p_ids for i, (_, p_ids) in prompts.items()}
     return Data(sets, problems, prompt_ids, ids["train"],
@@ -151,6 +304,7 @@ def finish(cfg: C.Config, model, knobs, tok, env, data: Data, **extra) -> dict:
     summary = metrics.summarize(metrics.read_rows(run_dir / metrics.METRICS_FILE))
     summary |= {"run_dir": str(run_dir), **extra, "sample_problem": first.id, "sample": sample.text}
     store.write_json_atomic(run_dir / metrics.SUMMARY_FILE, summary)
+    release(run_dir)
     print("\n".join(f"{k:>18}: {v:.4f}" if isinstance(v, float) else f"{k:>18}: {v!r}"
                     for k, v in summary.items()))
     return summary

@@ -14,11 +14,13 @@ Nothing here trains; the loop (train.py) calls these in order. docs/architecture
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from safetensors import SafetensorError
 
 from projected_grpo import config as C
 from projected_grpo import store
@@ -57,12 +59,48 @@ def load_model(cfg: C.Config, tokenizer_only: bool = False):
             raise UserError("config: model.source='hf' needs model.path (pass --model PATH or a name)")
         path = resolve_model(cfg.model.path, cfg.model.cache_dir or None)  # a name (smollm2) or a directory
         gguf = {"gguf_file": cfg.model.gguf_file} if cfg.model.gguf_file else {}
-        tok = AutoTokenizer.from_pretrained(path, **gguf)
-        model = None if tokenizer_only else AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, cfg.model.dtype), **gguf)
+        if not gguf:
+            check_model_dir(path)
+        with _model_dir_errors(path, "tokenizer"):
+            tok = AutoTokenizer.from_pretrained(path, **gguf)
+        with _model_dir_errors(path, "model"):
+            model = None if tokenizer_only else AutoModelForCausalLM.from_pretrained(
+                path, dtype=getattr(torch, cfg.model.dtype), **gguf)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return (None if model is None else model.to(cfg.model.device).eval()), tok
+
+
+# what a Hugging Face model directory needs: a config, weights, and a tokenizer (any one of its file sets)
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_dir(path: str | pathlib.Path) -> None:
+    """UserError naming what a local model directory lacks (config.json, weights, tokenizer files), before
+    transformers reads it (its own errors on an incomplete directory are tracebacks of several lines)."""
+    d = pathlib.Path(path)
+    missing = [what for what, names in (("config.json", ("config.json",)), ("weights", WEIGHT_FILES),
+                                        ("tokenizer", TOKENIZER_FILES))
+               if not any((d / n).is_file() for n in names)]
+    if missing:
+        raise UserError(f"model directory {d} has no {', no '.join(missing)}: a Hugging Face model directory "
+                        f"holds config.json, weights ({' or '.join(WEIGHT_FILES[::2])}) and a tokenizer "
+                        f"({' or '.join(TOKENIZER_FILES)}, with tokenizer_config.json); save both with "
+                        "save_pretrained")
+
+
+@contextlib.contextmanager
+def _model_dir_errors(path: str, what: str) -> Iterator[None]:
+    """transformers' error reading a model directory's `what` as one UserError line naming the directory (a
+    bad or truncated file there is the directory's fault, not the program's; --debug shows the traceback)."""
+    try:
+        yield
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"model directory {path}: cannot load its {what} ({type(e).__name__}: {first})"
+                        ) from e
 
 
 def _coding_organism(cfg: C.Config) -> pathlib.Path:
@@ -138,6 +176,9 @@ def wrap_knobs(cfg: C.Config, model) -> adapters.Knobs:
     knobs = adapters.wrap(model, kind=cfg.model.knob, targets=cfg.model.targets or adapters.DEFAULT_TARGETS,
                           rank=cfg.model.rank or None, cache_dir=cache_dir(cfg) / "svd", seed=cfg.run.seed)
     if path := start_knobs(cfg):
+        if not pathlib.Path(path).is_file():
+            raise UserError(f"{'dpo.before' if cfg.dpo.before else 'model.init_knobs'}: {path}: no such knob "
+                            "file (a Knobs.save safetensors file, e.g. a run's ckpt-*/knobs.safetensors)")
         try:
             knobs.load(path)
         except ValueError as e:

@@ -132,18 +132,11 @@ def train(cfg: C.Config) -> dict:
                                 weight_decay=cfg.optim.weight_decay)
         # --- resume (knobs, V_hack, optimizer, cursors, RNG) before V_hack is resolved: a resumed run never
         # re-extracts; then the intervention's monitor (docs/interventions.md): a probe is fitted here ---
-        if ck is not None:
-            ck.load_knobs(knobs)
-            V_hack, v_line = ck.V_hack, f"V_hack from {ck.path}"
-            opt.load_state_dict(ck.optimizer_state)
-            session.load_cursors(data, ck)
-            checkpoint.restore_rng(ck)
-        else:
-            with dist.main_first():
-                V_hack, v_line = resolve.resolve_v_hack(cfg, model, knobs, tok, env, data.sets["train"])
+        V_hack, v_line, start = session.resume(ck, knobs, opt, data, fresh=lambda: resolve.resolve_v_hack(
+            cfg, model, knobs, tok, env, data.sets["train"]))
+        guard = session.MovementGuard(knobs)  # fail closed: knobs that do not move stop the run
         monitor = intervene.open_monitor(cfg, model, knobs, tok, env, data.sets, data.prompt_ids, V_hack,
                                          run_dir if rank0 else None)
-        start = ck.step if ck is not None else 0
         if rank0:
             metrics.truncate_to(run_dir, start - 1)
         logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if rank0 else None
@@ -186,6 +179,7 @@ def train(cfg: C.Config) -> dict:
             set_lr(opt, lr(step))
             # every group zero-variance: no signal, no step (Adam's momentum alone would still move the knobs)
             stats = projected_step(cfg, opt, knobs, V_hack, split=split, step_taken=bool(batch.keep))
+            guard.after_step(step, informative=bool(batch.keep), grad_norm=float(stats["grad/norm"]))
             extra: dict = {}
             if cfg.proj.refresh_every and (step + 1) % cfg.proj.refresh_every == 0:
                 V_hack, extra = refresh_v_hack(cfg, model, knobs, tok, env, data.sets["train"], V_hack)
@@ -229,8 +223,9 @@ def main(argv: list[str]) -> int:
     """`projected-grpo train`: parse (presets.parse), a DPO pass first when dpo.before, the loop loss.algo
     names (LOOPS), print the summary."""
     cfg, _ = presets.parse(argv, prog="projected-grpo train")
-    dpo.pass_before(cfg)
-    LOOPS[cfg.loss.algo](cfg)
+    with session.cleanup_on_failure():  # a run that fails before its first step leaves no directory
+        dpo.pass_before(cfg)
+        LOOPS[cfg.loss.algo](cfg)
     return 0
 
 

@@ -213,7 +213,8 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
                                                    "base": base.to_dict()})
     stage(3, f"{len(runs)} runs ({len(arms)} arms x {len(seeds)} seeds); the first run needing a V_hack "
              "extracts it into the cache (no output until done), the others load it")
-    counts = launch.run_all(runs, out / "plans", log, jobs=jobs, backend=backend, ray_address=ray_address)
+    counts = launch.run_all(runs, out / "plans", log, jobs=jobs, backend=backend, ray_address=ray_address,
+                            command=command)  # SIGTERM / Ctrl-C: every run stopped, then this command resumes
     stage(4, "report")
     eval_start = None
     if base.run.eval_every:  # step 0 of the eval curves (training logs eval/* only after updates); cached

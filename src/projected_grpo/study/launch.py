@@ -8,20 +8,28 @@ BACKENDS: `local` runs `jobs` at once on this machine through a thread pool of s
 `concurrent.futures`); `ray` submits each run as a Ray task (the same command, with its CPU request) to a
 running cluster or a local Ray instance. A parallel run's output goes to `<run dir>/train.log`. `jobs` 0
 means what the cores allow: cores // run_cpus (default_jobs). No scheduler of our own: threads or Ray.
+A sweep owns its runs: each starts in a process group of its own and learns the sweep's pid (PARENT_ENV: the
+CLI then has the kernel SIGTERM it should the sweep die, even by SIGKILL); SIGTERM or Ctrl-C to the sweep
+sends SIGTERM to every run's group, waits for them (SIGKILL after STOP_GRACE_S), starts no other run, and
+raises errors.Interrupted: each stopped run keeps its last checkpoint and the same command resumes it.
 Not here: planning the runs or reading their results (experiment.py, report.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import pathlib
+import signal
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
 
 from projected_grpo import store
-from projected_grpo.errors import UserError
+from projected_grpo.errors import Interrupted, UserError
 from projected_grpo.run import metrics
 
 Log = Callable[[str], None]
@@ -56,28 +64,128 @@ def default_jobs(cpus: int, n_cores: int | None = None) -> int:
     return max(1, (n_cores or cores()) // cpus)
 
 
+# --- the sweep's runs: started in groups of their own, stopped together --------------------------------
+
+PARENT_ENV = "PROJECTED_GRPO_PARENT_PID"  # the sweep's pid, in each run's environment (read by cli.py)
+STOP_GRACE_S = 30.0  # after SIGTERM, seconds a run's group has to exit before SIGKILL
+
+
+class _Stop(BaseException):
+    """Raised by the signal handler in the sweep's main thread (a BaseException: no `except Exception`
+    between the handler and run_all may swallow it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _Runs:
+    """The run processes this sweep has started and not yet reaped, and whether it is stopping."""
+
+    def __init__(self) -> None:
+        self.procs: set[subprocess.Popen] = set()
+        self.lock = threading.RLock()  # reentrant: the handler may run while its thread holds it
+        self.signum: int | None = None
+        self.since, self.stopped = 0.0, 0  # when the stop came, how many runs were running then
+
+    def signal_all(self, sig: int) -> None:
+        """`sig` to every running run's process group (the run and anything it started in its group)."""
+        with self.lock:
+            procs = list(self.procs)
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, sig)
+
+    def reap_all(self) -> int:
+        """Wait for every run started (SIGKILL to groups still there after STOP_GRACE_S); returns how many."""
+        with self.lock:
+            procs = list(self.procs)
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.0, self.since + STOP_GRACE_S - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            with self.lock:
+                self.procs.discard(proc)
+        return len(procs)
+
+
+_RUNS = _Runs()
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """While the sweep runs: SIGTERM or SIGINT (Ctrl-C) stops every run (SIGTERM to each group) and raises
+    _Stop in the main thread; a second signal SIGKILLs the groups at once. Old handlers are restored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if _RUNS.signum is not None:  # a second Ctrl-C: no more waiting
+            _RUNS.signal_all(signal.SIGKILL)
+            return
+        _RUNS.signum, _RUNS.since = signum, time.monotonic()  # first: no new run starts (_train_one)
+        _RUNS.stopped = len(_RUNS.procs)
+        _RUNS.signal_all(signal.SIGTERM)
+        raise _Stop(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def _train_one(cmd: list[str], run_dir: pathlib.Path, to_log: bool) -> None:
+    """Run one training command to its end, in a process group of its own; RunFailed when it fails. A sweep
+    that is stopping starts nothing, and a run it stopped is not a failure."""
+    if _RUNS.signum is not None:
+        return
+    log = None
     if to_log:
         run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir / LOG_FILE, "a", encoding="utf-8") as f:
-            done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False)
-    else:
-        done = subprocess.run(cmd, check=False)
-    if done.returncode:
+        log = open(run_dir / LOG_FILE, "a", encoding="utf-8")  # closed below
+    proc = None
+    try:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, process_group=0,
+                                env={**os.environ, PARENT_ENV: str(os.getpid())})
+        with _RUNS.lock:
+            _RUNS.procs.add(proc)
+        if _RUNS.signum is not None:  # the stop came between the check above and the start
+            _RUNS.signal_all(signal.SIGTERM)
+        returncode = proc.wait()
+        with _RUNS.lock:
+            _RUNS.procs.discard(proc)
+    except _Stop:  # in the main thread (jobs 1): maybe before the run was registered; run_all reaps it
+        if proc is not None and proc.poll() is None:
+            with _RUNS.lock:
+                _RUNS.procs.add(proc)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        raise
+    finally:
+        if log is not None:
+            log.close()
+    if returncode and _RUNS.signum is None:
         where = f"; its output is in {run_dir / LOG_FILE}" if to_log else ""
         # the run printed why (one line for a user's mistake, a traceback for a bug): say which, once
-        raise RunFailed(f"run {run_dir} failed (exit {done.returncode}){where}; fix what it printed, then "
+        raise RunFailed(f"run {run_dir} failed (exit {returncode}){where}; fix what it printed, then "
                         "rerun the sweep's command: it resumes that run from its last checkpoint")
 
 
 def run_all(runs: Sequence, plans_dir: pathlib.Path | None, log: Log, jobs: int = 1, backend: str = "local",
-            ray_address: str = "") -> dict[str, int]:
+            ray_address: str = "", command: str = "") -> dict[str, int]:
     """Train every run not finished yet, `jobs` at a time (0: default_jobs); returns counts of trained /
-    resumed / skipped.
+    resumed / skipped. SIGTERM or Ctrl-C stops every run started and raises errors.Interrupted.
 
     runs: experiment.Run objects (arm, seed, cfg with run.dir set); plans_dir: where their plans go (None:
     `plans/` beside each run's directory, for runs of several sweeps). backend: BACKENDS; ray_address: the
-    cluster for `ray` (empty: a local Ray instance on this machine's cores)."""
+    cluster for `ray` (empty: a local Ray instance on this machine's cores). command: the sweep's command,
+    for the line that says how to resume."""
     if backend not in BACKENDS:
         raise UserError(f"--backend {backend!r}: choose one of {list(BACKENDS)}")
     counts = {"trained": 0, "resumed": 0, "skipped": 0}
@@ -94,7 +202,17 @@ def run_all(runs: Sequence, plans_dir: pathlib.Path | None, log: Log, jobs: int 
         counts["resumed" if resume else "trained"] += 1
         todo.append((head, train_command(plan, resume), run.dir, resume))
     if todo:
-        BACKENDS[backend](todo, log, jobs, run_cpus(runs), ray_address)
+        _RUNS.signum = None
+        try:
+            with _stopped_by_signals():
+                BACKENDS[backend](todo, log, jobs, run_cpus(runs), ray_address)
+        except _Stop as e:
+            _RUNS.reap_all()
+            name = signal.Signals(e.signum).name
+            again = f"`{command}`" if command else "the same command"
+            raise Interrupted(e.signum, f"stopped by {name}: {_RUNS.stopped} running run(s) stopped, each "
+                                        f"at its last checkpoint; run {again} again to resume the sweep"
+                              ) from None
     return counts
 
 
@@ -108,15 +226,20 @@ def _local(todo: list, log: Log, jobs: int, cpus: int, ray_address: str) -> None
         return
     log(f"{len(todo)} runs, {jobs} at a time on this machine")
     def start(head: str, cmd: list[str], run_dir: pathlib.Path, resume: bool) -> None:
+        if _RUNS.signum is not None:  # the sweep is stopping
+            return
         # logged when a worker takes the run, not when it is queued (all are queued at once)
         log(f"{head}: {'resuming' if resume else 'training'} (output in {run_dir / LOG_FILE})")
         _train_one(cmd, run_dir, to_log=True)
 
-    with concurrent.futures.ThreadPoolExecutor(jobs) as ex:
+    ex = concurrent.futures.ThreadPoolExecutor(jobs)
+    try:
         futures = {ex.submit(start, *item): item[0] for item in todo}
         for fut in concurrent.futures.as_completed(futures):
             fut.result()  # a failed run raises here, naming its log; the others finish first
             log(f"{futures[fut]}: done")
+    finally:  # stopped by a signal: the runs not started yet never start
+        ex.shutdown(wait=True, cancel_futures=_RUNS.signum is not None)
 
 
 def _ray_task(cmd: list[str], run_dir: str) -> None:
@@ -141,23 +264,33 @@ def _ray(todo: list, log: Log, jobs: int, cpus: int, ray_address: str) -> None:
             f"({total} CPUs), at most {jobs} at once")
         task = ray.remote(num_cpus=cpus, max_retries=0)(_ray_task)
         queue, pending, failed = list(todo), {}, []
-        while queue or pending:
-            while queue and len(pending) < jobs:
-                head, cmd, run_dir, resume = queue.pop(0)
-                log(f"{head}: {'resuming' if resume else 'training'} (output in {run_dir / LOG_FILE})")
-                pending[task.remote(cmd, str(run_dir))] = head
-            (ref,), _ = ray.wait(list(pending), num_returns=1)
-            head = pending.pop(ref)
-            try:
-                ray.get(ref)
-                log(f"{head}: done")
-            except Exception as e:  # collected, raised once the others finish (as on the local backend)
-                cause = getattr(e, "cause", e)  # ray.exceptions.RayTaskError wraps the task's exception
-                failed.append(str(cause) if isinstance(cause, RunFailed) else f"{head}: {e!r}")
+        try:
+            _ray_loop(ray, task, queue, pending, failed, jobs, log)
+        except _Stop:  # the tasks' runs get SIGTERM as their Ray workers die (PARENT_ENV)
+            for ref in pending:
+                ray.cancel(ref, force=True)
+            raise
         if failed:
             raise RunFailed(failed[0] + (f" (and {len(failed) - 1} more failed)" if len(failed) > 1 else ""))
     finally:
         ray.shutdown()
+
+
+def _ray_loop(ray, task, queue: list, pending: dict, failed: list, jobs: int, log: Log) -> None:
+    """Keep `jobs` tasks running until the queue is empty; failures are collected in `failed`."""
+    while queue or pending:
+        while queue and len(pending) < jobs:
+            head, cmd, run_dir, resume = queue.pop(0)
+            log(f"{head}: {'resuming' if resume else 'training'} (output in {run_dir / LOG_FILE})")
+            pending[task.remote(cmd, str(run_dir))] = head
+        (ref,), _ = ray.wait(list(pending), num_returns=1)
+        head = pending.pop(ref)
+        try:
+            ray.get(ref)
+            log(f"{head}: done")
+        except Exception as e:  # collected, raised once the others finish (as on the local backend)
+            cause = getattr(e, "cause", e)  # ray.exceptions.RayTaskError wraps the task's exception
+            failed.append(str(cause) if isinstance(cause, RunFailed) else f"{head}: {e!r}")
 
 
 # --backend name -> how the runs not finished yet are run: (todo, log, jobs, cpus per run, ray address)
