@@ -11,24 +11,17 @@ and says whether the result equals the shipped weights (expected only on the mac
 
 from __future__ import annotations
 
-import hashlib
 import pathlib
 import shutil
 
-from projected_grpo.store import atomic_dir
+from projected_grpo.store import atomic_dir, file_sha256
 
 SHIPPED = pathlib.Path(__file__).resolve().parent / "shipped"
 MANIFEST = "SHA256SUMS"
 WEIGHTS = "model.safetensors"
 
 
-def sha256(path: pathlib.Path) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+sha256 = file_sha256  # hex sha256 of a file's bytes
 
 
 def manifest(directory: pathlib.Path) -> dict[str, str]:
