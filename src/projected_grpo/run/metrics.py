@@ -43,6 +43,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "proj/norm_removed", "proj/skipped", "proj/cin_module_mean", "proj/cout_module_mean",
     "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",
     "proj/v_overlap", "knob/norm", "knob/step", "knob/hack_step", "completion/max_len", "eval/accuracy",
+    "sandbox/grade_error_frac",
     "eval/hack", "eval/format",
     "hack/deploy", "solve/deploy", "format/deploy", "hack/deploy/<mode>", "solve/deploy/<mode>",
     "detect/det_E/deploy", "detect/det_C/deploy", "detect/det_D/deploy", "detect/hedge/deploy",

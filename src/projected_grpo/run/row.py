@@ -85,6 +85,7 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
             "completion/max_len": float(max(len(s.completion_ids) for s in students)),
             "completion/clipped_frac": _mean([s.truncated for s in students]),
             "sandbox/timeout_frac": _mean([s.grade.timeout for s in students]),
+            "sandbox/grade_error_frac": _mean([bool(s.grade.extras.get("grade_error")) for s in students]),
             "groups/zero_std": float(batch.zero.sum()),
             "groups/skipped": float(len(batch.groups) - len(batch.keep)),
             "groups/resampled": float(batch.resampled), "groups/resample_tries": float(batch.tries),
