@@ -82,41 +82,54 @@ def enter_root(hide: list[str], keep: list[str]) -> bool:
     /proc, /tmp and the `keep` dirs (the Python installation), all read-only but /tmp; the `hide` paths
     that fall inside them are covered by empty read-only tmpfs, except one holding a `keep` dir or the
     standard library (it cannot be hidden from the interpreter that needs it). pivot_root then drops the
-    host's tree from this namespace altogether. Returns whether /proc has hidepid=2."""
+    host's tree from this namespace altogether. Returns whether /proc has hidepid=2.
+
+    The new root is built on a tmpfs over /tmp, which covers whatever the host keeps there (a checkout
+    and its venv may well be in /tmp): everything about the host is read first, and each bind's source
+    is held open and bound through /proc/self/fd.
+    """
+    real_keep = sorted({os.path.realpath(k) for k in keep if os.path.isdir(k)}, key=len)
+    binds = [d for d in SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+    binds += [k for k in real_keep if not any(_within(k, b) for b in binds)]  # shallowest first
+    # merged-/usr symlinks (/bin -> usr/bin), and a prefix reached through a symlink: the same link
+    links = {d: os.readlink(d) for d in SYSTEM_DIRS if os.path.islink(d)}
+    links |= {k: os.path.realpath(k) for k in keep if os.path.isdir(k) and os.path.realpath(k) != k}
+    needed = real_keep + [os.path.dirname(os.path.realpath(os.__file__))]
+    hidden = [h for h in sorted({os.path.realpath(h) for h in hide if os.path.isdir(h)})
+              if any(_within(h, b) for b in binds) and not any(_within(n, h) for n in needed)]
+    etc = {}
+    for name in ETC_FILES:
+        src = f"/etc/{name}"
+        if os.path.islink(src):
+            etc[name] = os.readlink(src)
+        elif os.path.isfile(src):
+            with open(src, "rb") as f:
+                etc[name] = f.read()
+    sources = {b: os.open(b, os.O_RDONLY | os.O_DIRECTORY) for b in binds}
+
     mount("none", "/", None, MS_REC | MS_PRIVATE)
     new = NEW_ROOT
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-    bound = []
-    for d in SYSTEM_DIRS:
-        if os.path.islink(d):
-            os.symlink(os.readlink(d), new + d)
-        elif os.path.isdir(d):
-            os.mkdir(new + d)
-            _bind_ro(d, new + d)
-            bound.append(d)
+    os.mkdir(new + "/tmp")  # first: a bind below /tmp (a venv there) must lie on it, not under it
+    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=64,mode=0711")
+    for b, fd in sources.items():
+        os.makedirs(new + b, exist_ok=True)
+        _bind_ro(f"/proc/self/fd/{fd}", new + b)
+        os.close(fd)
+    for path, target in links.items():
+        if not os.path.lexists(new + path):  # not already visible through a bind
+            os.makedirs(os.path.dirname(new + path), exist_ok=True)
+            os.symlink(target, new + path)
+    for h in hidden:
+        mount("tmpfs", new + h, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k")
     os.mkdir(new + "/etc")
-    for name in ETC_FILES:
-        src, dst = f"/etc/{name}", f"{new}/etc/{name}"
-        if os.path.islink(src):
-            os.symlink(os.readlink(src), dst)
-        elif os.path.isfile(src):
-            with open(src, "rb") as f, open(dst, "wb") as g:
-                g.write(f.read())
-            os.chmod(dst, 0o644)
-    real_keep = sorted({os.path.realpath(k) for k in keep if os.path.isdir(k)}, key=len)
-    for k in real_keep:  # shallowest first: a dir inside one already bound is visible already
-        if not any(_within(k, b) for b in bound):
-            os.makedirs(new + k, exist_ok=True)
-            _bind_ro(k, new + k)
-            bound.append(k)
-    for k in keep:  # a prefix reached through a symlink: the same symlink in the new root
-        if os.path.isdir(k) and os.path.realpath(k) != k and not os.path.lexists(new + k):
-            os.makedirs(os.path.dirname(new + k), exist_ok=True)
-            os.symlink(os.path.realpath(k), new + k)
-    needed = real_keep + [os.path.dirname(os.path.realpath(os.__file__))]
-    for h in sorted({os.path.realpath(h) for h in hide if os.path.isdir(h)}):
-        if any(_within(h, b) for b in bound) and not any(_within(n, h) for n in needed):
-            mount("tmpfs", new + h, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k")
+    for name, content in etc.items():
+        if isinstance(content, str):
+            os.symlink(content, f"{new}/etc/{name}")
+        else:
+            with open(f"{new}/etc/{name}", "wb") as f:
+                f.write(content)
+            os.chmod(f"{new}/etc/{name}", 0o644)
     os.mkdir(new + "/dev")
     mount("tmpfs", new + "/dev", "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
     for name, (major, minor) in DEVICES.items():
@@ -130,8 +143,6 @@ def enter_root(hide: list[str], keep: list[str]) -> bool:
     hidepid = _libc.mount(b"proc", f"{new}/proc".encode(), b"proc", flags, b"hidepid=2") == 0
     if not hidepid:  # a kernel without the option: still only this pid namespace's processes
         mount("proc", new + "/proc", "proc", flags)
-    os.mkdir(new + "/tmp")
-    mount("tmpfs", new + "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,nr_inodes=64,mode=0711")
     os.chdir(new)
     check(_libc.pivot_root(b".", b"."), "pivot_root")  # the old root now lies over the new one ...
     check(_libc.umount2(b".", MNT_DETACH), "umount the host's root")  # ... and leaves this namespace
