@@ -42,7 +42,8 @@ def mode_rates(grades: Sequence[Graded], modes: Sequence[str], prefix: str) -> d
 
 def detector_rates(grades: Sequence[Graded], prefix: str) -> dict[str, float]:
     """{"detect/<name>/<prefix>": fraction of `grades` the environment's detector <name> flags} for every
-    detector (Graded.extras key) the grades carry: coding det_E / det_C / det_D, maths hedge."""
+    detector (Graded.extras key) the grades carry: coding det_E / det_C / det_D (and grade_error: grading
+    raised), maths hedge."""
     names = sorted({k for g in grades for k in g.extras})
     return {f"detect/{k}/{prefix}": _mean([bool(g.extras.get(k, False)) for g in grades]) for k in names}
 
