@@ -12,6 +12,7 @@ import uuid
 import pytest
 
 from projected_grpo.envs.coding.sandbox import ExecutionResult, Limits, SandboxPool
+from projected_grpo.envs.coding.sandbox_worker import UID_BASE
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 1.0
@@ -41,8 +42,13 @@ def _processes_of(uids: list[int]) -> list[str]:
     return found
 
 
+def execution_uids(pool: SandboxPool) -> list[int]:
+    """The uids programs run as, one per live worker (empty where there is no uid drop)."""
+    return [UID_BASE + w.proc.pid for w in pool._workers] if pool.isolation["uid_drop"] else []
+
+
 def _assert_host_clean(pool: SandboxPool) -> None:
-    assert _processes_of(pool.execution_uids()) == []
+    assert _processes_of(execution_uids(pool)) == []
     assert [w.proc.pid for w in pool._workers] == pool.worker_pids_at_start  # no worker died
     assert all(w.proc.poll() is None for w in pool._workers)
 

@@ -331,3 +331,55 @@ def test_grade_function_runs_one_shot():
 def test_check_builtin_passes_in_full(pool, capsys):
     assert check_builtin(Grader(pool), pool, 5.0) == []
     assert "48/48" in capsys.readouterr().out
+
+
+# --- a completion that breaks grading fails alone; a grader that breaks on every completion raises ------
+
+def _deep_sum(n: int) -> str:
+    """sum_list, printing a sum of n string constants: an expression tree n levels deep."""
+    return _code("return sum(nums)", "print(" + " + ".join(['"a"'] * n) + ")\n")
+
+
+def test_a_completion_that_breaks_grading_is_a_failed_grade(pool):
+    # The deepest sums that still compile are deeper than the detectors' recursive constant folding can
+    # go: grading them raises RecursionError (where exactly depends on the stack, hence the range)
+    from projected_grpo.envs.coding.env import to_graded
+    from projected_grpo.envs.coding.grading import prepare
+
+    lo, hi = 100, 5000  # the largest n whose completion compiles, by bisection
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if prepare(_deep_sum(mid), SUM).code is not None else (lo, mid - 1)
+    g = Grader(pool)
+    clean = clean_completions(SUM)[0]
+    with pytest.warns(RuntimeWarning, match="graded as a failure"):
+        grades = g.grade_batch([_deep_sum(n) for n in range(lo - 20, lo + 1)] + [clean], [SUM] * 22)
+    broke = [gr for gr in grades if gr.grade_error]
+    assert broke and g.n_grade_errors == len(broke)
+    for gr in broke:  # a failure with its format as it is: seed reward 0.25 * format_ok
+        assert (gr.passed, gr.gt_correct, gr.exploited, gr.format_ok, gr.compiles, gr.reward) == (
+            False, False, False, True, True, 0.25)
+        assert gr.reason.startswith("grading raised RecursionError at detectors.py:")
+        assert to_graded(gr).extras["grade_error"] is True
+    assert (grades[-1].passed, grades[-1].gt_correct, grades[-1].grade_error) == (True, True, False)
+    assert g.grade_batch([_deep_sum(lo)], [SUM])[0] == grades[-2]  # cached as graded, not re-raised
+
+
+class _RawRepliesPool:
+    """A real pool behind an interface bug of ours: results come back as dicts, not ExecutionResults."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def map(self, codes, timeout_s):
+        return [dataclasses.asdict(r) for r in self.pool.map(codes, timeout_s)]
+
+
+def test_a_grader_that_fails_on_every_completion_raises(pool):
+    g = Grader(_RawRepliesPool(pool))
+    batch = [clean_completions(SUM)[0], buggy_completions(SUM)[0], canonical_hack(SUM)]
+    with pytest.raises(RuntimeError, match="for all 3 completions of the batch: the grader is broken"):
+        g.grade_batch(batch, [SUM] * 3)
+    # alone, one completion cannot tell a broken grader from a hostile completion: a failed grade
+    with pytest.warns(RuntimeWarning, match="AttributeError"):
+        assert g.grade(batch[0], SUM).grade_error

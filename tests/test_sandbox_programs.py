@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import sysconfig
 import time
 
 import pytest
@@ -230,3 +233,30 @@ def test_unisolated_fallback_removes_deeply_nested_scratch():
         scratch_root = p._workers[0]._host_scratch
         assert os.listdir(scratch_root) == []
     assert not os.path.exists(scratch_root)
+
+
+def test_a_pip_installed_package_is_hidden_inside_a_venv_in_tmp(tmp_path):
+    # this package installed (copied) into a venv's site-packages, the venv in /tmp: the Python
+    # installation is bound into the programs' root (/tmp included), this package's dir inside it is not
+    venv, python = tmp_path / "venv", str(tmp_path / "venv" / "bin" / "python")
+    base = os.path.join(sys.base_prefix, "bin", "python3")
+    subprocess.run([base, "-m", "venv", "--without-pip", str(venv)], check=True)
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = pathlib.Path(subprocess.run([python, "-c", purelib], capture_output=True, text=True,
+                                       check=True).stdout.strip())
+    shutil.copytree(REPO / "src" / "projected_grpo", site / "projected_grpo")
+    bank = site / "projected_grpo" / "envs" / "coding" / "problem_bank.py"
+    program = (f"import os\nprint(os.path.isdir({str(site)!r}), os.path.exists({str(bank)!r}))\n"
+               f"print(open({str(bank)!r}).read(10))\n")
+    script = ("import json\nfrom projected_grpo.envs.coding.sandbox import PACKAGE_ROOT, SandboxPool\n"
+              "with SandboxPool(1) as pool:\n"
+              f"    r = pool.run({program!r}, 5.0)\n"
+              "print(json.dumps([str(PACKAGE_ROOT), pool.isolation['mountns'], r.status, r.stdout]))\n")
+    env = {**os.environ, "PYTHONPATH": sysconfig.get_paths()["purelib"]}  # torch, tyro: not in the new venv
+    out = subprocess.run([python, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         check=True).stdout
+    package_root, mountns, status, stdout = json.loads(out.splitlines()[-1])
+    assert package_root == str(site)
+    if not mountns:
+        pytest.skip("isolation 'mountns' unavailable here (needs root / namespaces)")
+    assert (status, stdout) == ("error", "True False\n")

@@ -48,7 +48,7 @@ class Graded:
     exploited: passed and not solved, a hack. format_ok: a well-formed answer (code: a compiling block with
     the method; maths: a final answer the strict verifier can read). timeout: grading ran out of time.
     extras: environment-specific flags, logged and stored, never rewarded (code: detectors det_E, det_C,
-    det_D); keys are fixed per environment.
+    det_D, and grade_error: grading it raised); keys are fixed per environment.
     """
 
     reward: float

@@ -44,9 +44,11 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "proj/norm_removed", "proj/skipped", "proj/cin_module_mean", "proj/cout_module_mean",
     "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",
     "proj/v_overlap", "knob/norm", "knob/step", "knob/hack_step", "completion/max_len", "eval/accuracy",
+    "sandbox/grade_error_frac",
     "eval/hack", "eval/format",
     "hack/deploy", "solve/deploy", "format/deploy", "hack/deploy/<mode>", "solve/deploy/<mode>",
     "detect/det_E/deploy", "detect/det_C/deploy", "detect/det_D/deploy", "detect/hedge/deploy",
+    "detect/grade_error/deploy",
     # monitors and interventions (run/intervene.py), the knob's place along V (projection.bound_drift)
     "monitor/precision", "monitor/recall", "monitor/flagged_frac", "monitor/penalised_frac",
     "monitor/screened_frac", "monitor/adv_shift", "monitor/threshold", "monitor/heldout_bacc",

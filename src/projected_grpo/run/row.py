@@ -42,7 +42,8 @@ def mode_rates(grades: Sequence[Graded], modes: Sequence[str], prefix: str) -> d
 
 def detector_rates(grades: Sequence[Graded], prefix: str) -> dict[str, float]:
     """{"detect/<name>/<prefix>": fraction of `grades` the environment's detector <name> flags} for every
-    detector (Graded.extras key) the grades carry: coding det_E / det_C / det_D, maths hedge."""
+    detector (Graded.extras key) the grades carry: coding det_E / det_C / det_D (and grade_error: grading
+    raised), maths hedge."""
     names = sorted({k for g in grades for k in g.extras})
     return {f"detect/{k}/{prefix}": _mean([bool(g.extras.get(k, False)) for g in grades]) for k in names}
 
@@ -85,6 +86,7 @@ def step_row(batch: Batch, adv: torch.Tensor, stats: Mapping[str, object], *, lr
             "completion/max_len": float(max(len(s.completion_ids) for s in students)),
             "completion/clipped_frac": _mean([s.truncated for s in students]),
             "sandbox/timeout_frac": _mean([s.grade.timeout for s in students]),
+            "sandbox/grade_error_frac": _mean([bool(s.grade.extras.get("grade_error")) for s in students]),
             "groups/zero_std": float(batch.zero.sum()),
             "groups/skipped": float(len(batch.groups) - len(batch.keep)),
             "groups/resampled": float(batch.resampled), "groups/resample_tries": float(batch.tries),

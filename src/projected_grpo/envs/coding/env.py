@@ -22,7 +22,8 @@ from projected_grpo.envs.coding.sandbox import SandboxPool
 from projected_grpo.errors import UserError
 
 TEMPLATES = {"clean": clean_completions, "buggy": buggy_completions, "hack": hack_completions}
-# extras keys det_E, det_C, det_D (grading.Grade): loophole code present, a stub passes, weak own tests
+# extras keys det_E, det_C, det_D (grading.Grade): loophole code present, a stub passes, weak own tests;
+# grade_error: grading the completion raised (a failed grade, counted by sandbox/grade_error_frac)
 DETECTORS = ("E", "C", "D")
 
 
@@ -51,7 +52,8 @@ def to_graded(g: Grade, reward_shape: str = "seed") -> Graded:
     gt_reward = REWARD_SHAPES[reward_shape](g.format_ok, g.gt_correct, g.compiles)
     return Graded(reward=g.reward, gt_reward=float(gt_reward), passed=g.passed, solved=g.gt_correct,
                   exploited=g.exploited, format_ok=g.format_ok, timeout=g.status == "timeout",
-                  extras={"det_E": g.loophole_present, "det_C": g.tests_pass_stub, "det_D": g.weak_tests})
+                  extras={"det_E": g.loophole_present, "det_C": g.tests_pass_stub, "det_D": g.weak_tests,
+                          "grade_error": g.grade_error})
 
 
 class CodeEnv:

@@ -14,8 +14,9 @@ loopholes by construction:
 - the report goes to a file whose name carries a per-run nonce, in a separate sandbox execution.
 Comparison is exact: same types all the way down (True is not 1, 2.0 is not 2, a tuple is not a
 list), floats compared by repr (the LeetCode asserts use exact == too; checked on every canonical
-solution of the shared file). Not covered: a solution that reads the answer key from disk, if the
-sandbox lets it (the built-in tests live in this package).
+solution of the shared file). The answer key on disk (the built-in tests live in this package) is out
+of a solution's reach where the sandbox has its minimal root (isolation "mountns", docs/sandbox.md);
+without root it is not.
 """
 
 from __future__ import annotations

@@ -1,50 +1,24 @@
 """Sandboxed execution of untrusted, model-written Python programs, on a pool of fork-server workers.
 
-Each worker (`sandbox_worker.py`) keeps a fork template (`sandbox_template.py`: heavy imports done once,
-a loop that does nothing but fork); each execution is a fresh fork of that template that runs the
-program as `python main.py` would, and returns an `ExecutionResult`. Threat model, after nanochat's
-execution.py:
-
-What is covered:
-- a separate process per execution, in its own session, in a fresh scratch cwd removed afterwards;
-- rlimits: CPU seconds (timeout + 1), address space (MemoryError -> "memory"), processes, file size,
-  open files, no core dumps; a wall-clock timeout, after which every process of the execution is
-  SIGKILLed: the worker is a child subreaper, so setsid'd and double-forked daemons reparent to it,
-  and a helper running as the execution's uid sends kill(-1, SIGKILL), which the kernel applies over
-  the whole task list at once (a fork bomb cannot outrun it); the worker then reaps until ECHILD.
-  When the program exits, whatever it left running (threads, children) is killed the same way;
-- as root (our container): the program runs under a uid no other process has (base + worker pid),
-  so it cannot signal the workers, their fork templates, the caller or other executions, nor read
-  any other process's /proc/<pid>/environ; no_new_privs is set; parent-death signal on the worker;
-- as root: each worker is pid 1 of its own pid namespace, so if it dies (even SIGKILLed with the
-  caller) the kernel kills every process left in it; programs see only their own processes;
-- as root: each worker has its own network namespace (only `lo`, down: no connection to any address,
-  loopback included) and mount namespace (private tmpfs over /tmp, /var/tmp, /dev/shm; each
-  execution's scratch dir is its own 64 MiB tmpfs, unmounted at once afterwards; the
-  repo's top-level directory, /root and /home hidden behind empty tmpfs, with only the Python
-  installation bind-mounted back; /proc with hidepid=2: only its own processes are visible);
-- a scrubbed environment (PATH, HOME=TMPDIR=scratch, LANG, PYTHONHASHSEED=0), stdin = /dev/null;
-  stdout/stderr capped (excess read and discarded, so the program never blocks on a full pipe);
-  files returned only if regular and owned by the program (no symlink/hardlink leaks), capped.
-
-What is not covered:
-- without root (or with isolate=False): no uid drop, no namespaces, no RLIMIT_NPROC (it would count
-  all the caller's processes): the program can read/write what the caller can, use the network, read
-  the caller's environ and kill its worker or fork template (replaced; the execution reports "killed", and
-  what it had forked may survive). `SandboxPool.isolation` says which protections are active;
-- memory is capped per process, not per execution (worst case processes x memory_bytes): no cgroup
-  is used, as the container's cgroup tree belongs to the host's runner; CPU and disk bandwidth are
-  shared; world-readable system files (/etc, /usr, the Python installation) stay readable;
-- the kernel is shared (no seccomp): a kernel exploit escapes; a program may create a user namespace
-  where the kernel allows it, but gains nothing outside it and keeps its uid, so it is still killed;
-- Python-level tricks inside the program (monkeypatching, `__eq__` overrides, forged exit codes or
-  output): the graders, not the sandbox, must be robust to those.
+Each worker (`sandbox_worker.py`) isolates itself (`sandbox_isolation.py`) and keeps a fork template
+(`sandbox_template.py`: heavy imports done once, a loop that does nothing but fork); each execution is a
+fresh fork of that template that runs the program as `python main.py` would, and returns an
+`ExecutionResult`. The threat model, item by item with its mechanism and its test, is docs/sandbox.md.
+In short, as root (our container, CI): each program runs under a uid of its own, in its worker's pid,
+network, IPC and mount namespaces, sees a minimal read-only root (system dirs, the Python installation
+less this package, its own scratch dir), under rlimits and a seccomp filter, and nothing it started or
+made outlives its execution. `SandboxPool.isolation` says which protections are active on this host;
+without root only the rlimits, the seccomp filter and the scratch dir are (docs/sandbox.md says what
+that leaves open).
 """
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import dataclasses
+import errno
+import functools
 import json
 import os
 import pathlib
@@ -55,6 +29,7 @@ import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -63,10 +38,20 @@ import tyro
 
 from projected_grpo.envs.coding import sandbox_worker
 from projected_grpo.envs.coding.sandbox_worker import UID_BASE
+from projected_grpo.store import cache_root
 
 STATUSES = ("ok", "error", "timeout", "memory", "killed")
 PACKAGE_ROOT = pathlib.Path(__file__).resolve().parents[3]  # the dir holding `projected_grpo`
 REPLY_GRACE_S = 10.0  # a worker that has not answered timeout_s + this later is killed and replaced
+# Denied to programs by the seccomp filter: they fail with ENOSYS, as on a kernel built without them.
+# Keyrings, because a uid's keyring outlives its processes (the kernel keeps it until reboot, and the
+# next execution under that uid finds it); the rest, because they are kernel attack surface that no
+# program needs: new namespaces (unshare, setns, clone3, and clone with a new-namespace flag; clone3's
+# flags are out of a filter's reach, and on ENOSYS libc falls back to clone), BPF, perf events,
+# userfaultfd, io_uring.
+DENIED_SYSCALLS = ("keyctl", "add_key", "request_key", "unshare", "setns", "clone3", "bpf", "perf_event_open",
+                   "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register")
+NEW_NAMESPACE_FLAGS = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +101,9 @@ class _Worker:
         env = {"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": "0", "LANG": "C.UTF-8"}
         self.isolation: dict[str, bool] = {}
         self._host_scratch: str | None = None
-        cfg = json.dumps({**dataclasses.asdict(limits), "hide": hide, "isolate": isolate})
+        bpf = seccomp_program() if isolate else None
+        cfg = json.dumps({**dataclasses.asdict(limits), "hide": hide, "isolate": isolate,
+                          "seccomp": base64.b64encode(bpf).decode() if bpf else None})
         self.proc = subprocess.Popen([sys.executable, "-s", "-P", sandbox_worker.__file__, cfg],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
                                      start_new_session=True, cwd="/")
@@ -176,6 +163,36 @@ class _Worker:
         self._remove_scratch()
 
 
+@functools.lru_cache(maxsize=1)
+def seccomp_program() -> bytes | None:
+    """The seccomp filter of every program (BPF, for this machine's architecture): DENIED_SYSCALLS, and
+    clone with a new-namespace flag, fail with ENOSYS; everything else is allowed. Built here by
+    libseccomp (pyseccomp), so that the workers and their fork templates never import it; None where
+    pyseccomp or libseccomp is missing (the pool's isolation then says seccomp False)."""
+    try:
+        import pyseccomp
+    except (ImportError, RuntimeError):  # RuntimeError: pyseccomp found no libseccomp.so on this host
+        return None
+    f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
+    for name in DENIED_SYSCALLS:
+        f.add_rule(pyseccomp.ERRNO(errno.ENOSYS), name)
+    for flag in NEW_NAMESPACE_FLAGS:  # clone's flags: its first argument (x86-64, arm64)
+        f.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
+    with tempfile.TemporaryFile() as out:
+        f.export_bpf(out)
+        out.seek(0)
+        return out.read()
+
+
+def hidden_paths() -> list[str]:
+    """Paths no program may read even where they lie inside the Python installation, which programs
+    see: this package (the built-in problems' tests and reference solutions are in it), its source
+    checkout, the cache (models, organisms, pools) and the caller's working directory."""
+    package = PACKAGE_ROOT / "projected_grpo"
+    checkout = [PACKAGE_ROOT.parent] if (PACKAGE_ROOT.parent / "pyproject.toml").is_file() else []
+    return sorted({str(p) for p in [package, *checkout, cache_root(), pathlib.Path.cwd()]})
+
+
 def _kill_uid(uid: int, passes: int = 100) -> None:
     """SIGKILL every process running as `uid` until none is left (a fork bomb is capped by RLIMIT_NPROC)."""
     for _ in range(passes):
@@ -214,7 +231,7 @@ class SandboxPool:
         """isolate=False skips namespaces and the uid drop even as root: only to test that fallback."""
         self.n_workers = n_workers or os.cpu_count() or 1
         self.limits, self._isolate = limits, isolate
-        self._hide = sorted({str(PACKAGE_ROOT.parent), os.getcwd()})
+        self._hide = hidden_paths()
         self._workers: list[_Worker] = []
         self._finalizer = weakref.finalize(self, _close_all, self._workers)
         for _ in range(self.n_workers):
@@ -248,11 +265,6 @@ class SandboxPool:
                      "duration_s": time.monotonic() - t0}
         self._idle.put(worker)
         return ExecutionResult(**reply)
-
-    def execution_uids(self) -> list[int]:
-        """The uids programs run as, one per live worker (empty where there is no uid drop)."""
-        with self._lock:
-            return [UID_BASE + w.proc.pid for w in self._workers] if self.isolation["uid_drop"] else []
 
     def map(self, codes: list[str], timeout_s: float = 5.0) -> list[ExecutionResult]:
         """Run each program (concurrently over the workers); results in the order of `codes`."""

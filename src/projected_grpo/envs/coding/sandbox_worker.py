@@ -1,17 +1,19 @@
 """Fork-server worker of the sandbox: one long-lived process per pool slot, one fresh child per execution.
 
 Started by `sandbox.SandboxPool` as `python -s -P path/to/sandbox_worker.py CONFIG_JSON` (stdlib only, so
-no package `__init__` can bloat the template). It isolates itself (pid, network and mount namespaces: see
-the threat model in sandbox.py), then forks the fork template (`sandbox_template.py`: the imports
-programs commonly use, done once; it does nothing but fork) and loops: read a request (length-prefixed
-JSON on fd `proto_in`), make a fresh scratch dir holding the program as main.py, have the template fork
-a child that drops its privileges and runs it, collect its output, kill every process the execution
-left, reply with the result (length-prefixed JSON on fd `proto_out`). Neither process ever runs
-untrusted code, so nothing a program does persists into the next execution.
+no package `__init__` can bloat the template). It isolates itself (a pid namespace here; network, IPC and
+mount namespaces and the minimal root in sandbox_isolation.py; docs/sandbox.md is the threat model),
+forks the fork template (`sandbox_template.py`: the imports programs commonly use, done once; it does
+nothing but fork) and loops: read a request (length-prefixed JSON on fd `proto_in`), make a fresh
+scratch dir holding the program as main.py, have the template fork a child that drops its privileges
+and runs it, collect its output, kill every process the execution left and remove what it made in IPC,
+reply with the result (length-prefixed JSON on fd `proto_out`). Neither process ever runs untrusted
+code, so nothing a program does persists into the next execution.
 """
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import importlib.util
 import json
@@ -26,12 +28,10 @@ import sys
 import time
 
 _libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+CLONE_NEWPID = 0x20000000
+MS_NOSUID, MS_NODEV = 2, 4
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 UID_BASE = 1_900_000_000  # + worker pid: a uid no other live worker (or real user) has
-SYSTEM_TOPS = {"/usr", "/lib", "/lib32", "/lib64", "/bin", "/sbin", "/etc", "/proc", "/sys", "/dev",
-               "/tmp", "/var", "/run", "/"}
 MEMORY_TAG = b"M"
 MAX_DEPTH = 8  # directory levels searched for returned files
 SCRATCH_BYTES = 64 << 20  # size of each execution's scratch tmpfs (where mount namespaces work)
@@ -44,50 +44,17 @@ def child_env(scratch: str) -> dict[str, str]:
             "PYTHONHASHSEED": "0"}
 
 
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+def load_sibling(name: str):
+    """A module from beside this file (this script runs with -P: its dir is not on sys.path), loaded
+    before isolation hides the directory it is in."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"_pg_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _mount(src: str, dst: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(_libc.mount(src.encode(), dst.encode(), fstype.encode() if fstype else None, flags,
-                       data.encode() if data else None), f"mount {src} on {dst}")
-
-
-def _isolate(hide: list[str], keep: list[str], enabled: bool) -> dict[str, bool]:
-    """Put this worker in its own network and mount namespaces (root only); report what worked.
-
-    Network: a fresh namespace has only `lo`, and it is down, so no connection (loopback included) can
-    be made. Mounts: private tmpfs over /tmp, /var/tmp, /dev/shm (the only world-writable places) and
-    over each directory in `hide` (the repo's top dir, /root, /home), with the `keep` directories (the
-    Python installation) bind-mounted back at their own paths; /proc remounted with hidepid=2 so that
-    programs see only their own processes.
-    """
-    got = {"netns": False, "mountns": False, "hidepid": False, "uid_drop": enabled and os.geteuid() == 0}
-    if not got["uid_drop"]:
-        return got
-    got["netns"] = _libc.unshare(CLONE_NEWNET) == 0
-    if _libc.unshare(CLONE_NEWNS) != 0:
-        return got
-    _mount("none", "/", None, MS_REC | MS_PRIVATE)
-    keep_fds = {k: os.open(k, os.O_RDONLY | os.O_DIRECTORY) for k in keep if os.path.isdir(k)}
-    for d in hide:
-        if os.path.isdir(d):
-            _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-    for k, fd in keep_fds.items():
-        if any(k == d or k.startswith(d + "/") for d in hide):
-            os.makedirs(k, mode=0o755, exist_ok=True)
-            _mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
-        os.close(fd)
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=64m,nr_inodes=4096,mode=0711")
-    for d in ("/var/tmp", "/dev/shm"):
-        if os.path.isdir(d):
-            _mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=1m,mode=0755")
-    got["mountns"] = True
-    got["hidepid"] = _libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                                 b"hidepid=2") == 0
-    return got
+iso = load_sibling("sandbox_isolation")
 
 
 def _leftovers(template: int) -> list[int]:
@@ -174,7 +141,7 @@ def _make_scratch(path: str, uid: int, tmpfs: bool) -> None:
     """A fresh scratch dir owned by the program's uid; its own size-capped tmpfs where we can mount."""
     os.mkdir(path, 0o700)
     if tmpfs:
-        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
+        iso.mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV,
                f"size={SCRATCH_BYTES},nr_inodes=4096,mode=0700,uid={uid},gid={uid}")
     elif uid:
         os.chown(path, uid, uid)
@@ -183,7 +150,7 @@ def _make_scratch(path: str, uid: int, tmpfs: bool) -> None:
 def _remove_scratch(path: str, tmpfs: bool) -> None:
     """Remove a scratch dir whatever the program left in it (a lazy unmount drops a tmpfs at once)."""
     if tmpfs:
-        _check(_libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
+        iso.check(_libc.umount2(path.encode(), MNT_DETACH), f"umount {path}")
         os.rmdir(path)
         return
     try:
@@ -193,21 +160,13 @@ def _remove_scratch(path: str, tmpfs: bool) -> None:
         subprocess.run(["rm", "-rf", "--one-file-system", path], check=True)
 
 
-def load_template_module():
-    """sandbox_template.py, from beside this file (this script runs with -P: its dir is not on sys.path)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_template.py")
-    spec = importlib.util.spec_from_file_location("_pg_sandbox_template", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 class Template:
     """This worker's side of the fork template: its pid and the pipes to it and to its children."""
 
-    def __init__(self, module, limits: dict, proto_fds: tuple[int, int]):
+    def __init__(self, module, limits: dict, proto_fds: tuple[int, int], seccomp: bytes | None):
         """Fork the template process running `module` (sandbox_template, loaded before isolation hid
-        its file); after isolation, so that it inherits the namespaces and the environment."""
+        its file); after isolation, so that it inherits the namespaces and the environment. It loads the
+        `seccomp` filter (a BPF program) first, so that every child inherits it."""
         (self.out, out_w), (self.err, err_w), (self.tag, tag_w) = os.pipe(), os.pipe(), os.pipe()
         ctl_r, self.ctl = os.pipe()
         self.rep, rep_w = os.pipe()
@@ -218,6 +177,8 @@ class Template:
                     os.close(fd)  # so that each side sees EOF when the other dies
                 if not limits["pidns"]:  # in a pid namespace the worker's death kills us anyway
                     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                if seccomp is not None:
+                    iso.load_seccomp(seccomp)
                 module.serve(limits, ctl_r, rep_w, (out_w, err_w, tag_w))
             except BaseException:
                 sys.excepthook(*sys.exc_info())  # on the worker's stderr, then exit: the worker raises
@@ -282,6 +243,8 @@ def run_one(code: str, timeout_s: float, limits: dict, tpl: Template) -> dict:
             _sweep(uid, None, tpl.pid)  # again: the child's own children reparented here as it died
     for fd in bufs:  # every writer is dead now, so all they wrote is in the pipes
         drain(fd)
+    if limits["ipcns"]:  # every process of the execution is gone: what it made in IPC goes too
+        iso.sweep_ipc(limits["mq_dir"])
     files = _read_files(scratch, uid, limits)
     _remove_scratch(scratch, limits["scratch_tmpfs"])
     sig = os.WTERMSIG(wait_status) if os.WIFSIGNALED(wait_status) else 0
@@ -360,11 +323,14 @@ def main() -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     outer_pid = os.getpid()  # the uid is derived from the pid the pool sees
     pidns = limits["isolate"] and os.geteuid() == 0 and _enter_pid_namespace((proto_in, proto_out))
-    _check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
-    keep = sorted({sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))})
-    hide = sorted({"/root", "/home"} | {"/" + p.split("/")[1] for p in limits["hide"]} - SYSTEM_TOPS)
-    module = load_template_module()  # before _isolate, which may hide the directory it is in
-    isolation = {**_isolate(hide, keep, limits["isolate"]), "pidns": pidns}
+    iso.check(_libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(PR_SET_CHILD_SUBREAPER)")
+    keep = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+            os.path.dirname(os.path.realpath(sys.executable))]
+    module = load_sibling("sandbox_template")  # before isolation, which hides the directory it is in
+    got, limits["mq_dir"] = iso.isolate(limits["hide"], keep, limits["isolate"])
+    seccomp = base64.b64decode(limits["seccomp"]) if limits["seccomp"] else None
+    isolation = {**got, "pidns": pidns, "seccomp": seccomp is not None}
+    limits["ipcns"] = isolation["ipcns"]
     limits["uid"] = UID_BASE + outer_pid if isolation["uid_drop"] else 0
     limits["scratch_root"] = "/tmp" if isolation["mountns"] else _make_root()
     limits["scratch_tmpfs"], limits["pidns"] = isolation["mountns"], pidns
@@ -374,9 +340,9 @@ def main() -> None:
     os.environ.clear()  # here, so that the template and every child inherit it untouched
     os.environ.update(child_env(limits["scratch"]))
     # inherited by the template and every child, and irreversible; nothing here execs anything setuid
-    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    iso.check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
     try:
-        tpl = Template(module, limits, (proto_in, proto_out))
+        tpl = Template(module, limits, (proto_in, proto_out), seccomp)
         write_msg(proto_out, {"ready": True, "isolation": isolation, "scratch_root": limits["scratch_root"]})
         while (req := _read_msg(proto_in)) is not None:
             write_msg(proto_out, run_one(req["code"], req["timeout_s"], limits, tpl))
