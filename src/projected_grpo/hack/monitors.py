@@ -21,6 +21,7 @@ Shapes: N rollouts.
 
 from __future__ import annotations
 
+import abc
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ def view(samples: Sequence[Sample], reads: frozenset[str], step: int, rows: Sequ
                     tuple(dict(s.grade.extras) for s in samples) if "detectors" in reads else None)
 
 
-class Monitor:
+class Monitor(abc.ABC):
     """Base of the monitors: name, reads, labels, report (what the build measured, for monitor.json) and
     score(rollouts) -> (scores (N,) in [0, 1], flags (N,) bool, stats)."""
 
@@ -80,8 +81,9 @@ class Monitor:
     labels = ""
     report: dict = {}
 
+    @abc.abstractmethod
     def score(self, r: Rollouts) -> Scored:
-        raise NotImplementedError
+        """(scores (N,) in [0, 1], flags (N,) bool, detached stats) of the step's rollouts."""
 
 
 class GroundTruth(Monitor):
