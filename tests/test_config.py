@@ -161,7 +161,7 @@ def test_unknown_key_in_config_file_is_named(tmp_path):
     ('{"run": {"steps": 2.5}}', r"run\.steps: expected int, got 2\.5"),
     ('{"optim": {"lr": "0.1"}}', r"optim\.lr: expected float, got '0\.1'"),
     ('{"optim": {"betas": [0.9]}}', r"optim\.betas: expected tuple\[float, float\], got \(0\.9,\)"),
-    ('{"run": {"tensorboard": 1}}', r"run\.tensorboard: expected bool, got 1"),
+    ('{"run": {"report_to": ["wandb", "comet"]}}', r"report_to=\('wandb', 'comet'\): \['comet'\]"),
     ('{"loss": {"zero_var": "nope"}}', r"loss\.zero_var: expected one of 'skip', 'resample', got 'nope'"),
     ('{"run": {"steps": -1}}', r"c\.json: .*steps=-1 must be > 0"),
 ])

@@ -6,6 +6,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import pathlib
 import re
 
@@ -14,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from projected_grpo.errors import UserError
 from projected_grpo.run.metrics import (
     KNOWN_METRICS,
     METRICS_FILE,
@@ -117,12 +119,55 @@ def test_bad_types_and_step_key_are_rejected(tmp_path):
 
 def test_tensorboard_missing_is_a_clear_error(tmp_path):
     if importlib.util.find_spec("tensorboard") is not None:
-        with MetricsLogger(tmp_path, tensorboard=True) as log:
+        with MetricsLogger(tmp_path, ("tensorboard",)) as log:
             log.log(0, {"reward/mean": 1.0, "teacher/mode": "exclude"})
         assert any((tmp_path / "tb").iterdir())
     else:
-        with pytest.raises(ImportError, match=r"pip install 'projected-grpo\[tb\]'"):
-            MetricsLogger(tmp_path, tensorboard=True)
+        with pytest.raises(UserError, match=r"pip install 'projected-grpo\[tb\]'"):
+            MetricsLogger(tmp_path, ("tensorboard",))
+        assert not (tmp_path / "metrics.jsonl").read_text()  # opened, and closed again
+
+
+def test_the_trackers_are_the_configs_choices():
+    from projected_grpo.config import REPORT_TO
+    from projected_grpo.run.trackers import TRACKERS
+
+    assert tuple(TRACKERS) == REPORT_TO
+
+
+def test_wandb_offline_gets_every_number_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from projected_grpo.run.trackers import run_id
+
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no network: the run's files stay in RUN_DIR/wandb
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for step in (0, 1):  # two processes' worth of logging into one run directory, as a resume does
+        with MetricsLogger(tmp_path, ("wandb",), {"run": {"seed": 0}}) as log:
+            log.log(step, {"reward/mean": 0.5 + step, "teacher/mode": "exclude"})
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs and all(r.name.endswith(run_id(tmp_path)) for r in runs)  # one run id for the directory
+    assert run_id(tmp_path) == run_id(tmp_path / "." ) and run_id(tmp_path) != run_id(tmp_path / "x")
+
+
+def test_trackio_records_every_number_locally(tmp_path):
+    pytest.importorskip("trackio")
+    import sqlite3
+    import subprocess
+    import sys
+
+    # trackio reads TRACKIO_DIR when it is imported: a process of its own, as a run is
+    code = ("from projected_grpo.run.metrics import MetricsLogger\n"
+            f"with MetricsLogger({str(tmp_path / 'run')!r}, ('trackio',), {{'run': {{'seed': 0}}}}) as log:\n"
+            "    for step in range(3):\n"
+            "        log.log(step, {'hack/deploy': 0.25 * step, 'teacher/mode': 'exclude'})\n")
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "TRACKIO_PROJECT": "pg-test"}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=120)
+    dbs = list((tmp_path / "trackio").rglob("*.db"))
+    assert dbs, "trackio wrote no database under TRACKIO_DIR"
+    with sqlite3.connect(dbs[0]) as db:
+        tables = [r[0] for r in db.execute("select name from sqlite_master where type='table'")]
+        text = " ".join(str(r) for t in tables for r in db.execute(f'select * from "{t}"'))
+    assert "hack/deploy" in text and "0.5" in text
 
 
 @settings(max_examples=25, deadline=None)

@@ -298,6 +298,10 @@ class OptimCfg:
             raise UserError(f"config: OptimCfg.min_lr_frac={self.min_lr_frac!r} must be in [0, 1]")
 
 
+# run.report_to's choices: the trackers of run/trackers.py (a test keeps the two lists equal)
+REPORT_TO = ("tensorboard", "wandb", "trackio")
+
+
 @dataclass(frozen=True)
 class RunCfg:
     steps: int = 4
@@ -313,8 +317,9 @@ class RunCfg:
     eval_every: int = 0
     """every N steps (0 = never), greedy samples of the deployed model (quarantine zeroed) on the
     environment's eval problems (its train problems where it has none): eval/* metrics"""
-    tensorboard: bool = False
-    """also write TensorBoard scalars (needs the `tb` extra)"""
+    report_to: tuple[str, ...] = ()
+    """also send each step's metrics to: `tensorboard` (RUN_DIR/tb), `wandb` (WANDB_MODE=offline works with
+    no network), `trackio` (local); metrics.jsonl is always written (run/trackers.py)"""
     threads: int = 1
     """torch intra-op CPU threads (0 = torch's default). 1 suits tiny models: measured here, sampling the
     1.2M-parameter organism took 1 s with 1 thread and 15-40 s with 2 while the sandbox workers were busy"""
@@ -323,6 +328,10 @@ class RunCfg:
         _positive(self, "steps", "checkpoint_every")
         _positive(self, "threads", allow_zero=True)
         _positive(self, "eval_every", allow_zero=True)
+        if bad := [t for t in self.report_to if t not in REPORT_TO] or len(set(self.report_to)) < len(
+                self.report_to):
+            raise UserError(f"config: RunCfg.report_to={self.report_to!r}: {bad or 'repeated'}; each must be "
+                            f"one of {list(REPORT_TO)}, once")
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ def train_dpo(cfg: C.Config) -> dict:
             resolve.resolve_v_hack(cfg, model, knobs, tok, env, train_problems)))
         guard = session.MovementGuard(knobs)  # fail closed: knobs that do not move stop the run
         metrics.truncate_to(run_dir, start - 1)
-        logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+        logger = metrics.MetricsLogger(run_dir, cfg.run.report_to, cfg.to_dict())
         bar = metrics.Progress(cfg.dpo.steps, initial=start, desc="dpo")
         print(f"run {run_dir} from step {start} | DPO ({cfg.dpo.loss}, beta {cfg.dpo.beta}) on {len(fit)} "
               f"pairs, {len(held)} held out | arm {cfg.proj.arm} | {v_line}", file=sys.stderr)

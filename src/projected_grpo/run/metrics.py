@@ -99,22 +99,22 @@ def _clean_row(step: int, row: Mapping[str, object]) -> dict[str, object]:
 
 
 class MetricsLogger:
-    """Appends one JSON line per step to `run_dir/metrics.jsonl` (and TensorBoard scalars on request)."""
+    """Appends one JSON line per step to `run_dir/metrics.jsonl`, and sends each row's numbers to the trackers
+    `report_to` names (run/trackers.py: tensorboard, wandb, trackio). config: the run's config, for them."""
 
-    def __init__(self, run_dir: str | os.PathLike, tensorboard: bool = False):
+    def __init__(self, run_dir: str | os.PathLike, report_to: tuple[str, ...] = (),
+                 config: Mapping[str, object] | None = None):
+        from projected_grpo.run.trackers import open_trackers
+
         self.run_dir = pathlib.Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         self._f = open(self.path, "a", encoding="utf-8")  # closed in close()
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as e:
-                raise ImportError("tensorboard logging was requested but the `tensorboard` package is not "
-                                  "installed: pip install 'projected-grpo[tb]' (or pass tensorboard=False)"
-                                  ) from e
-            self._tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        try:
+            self._trackers = open_trackers(tuple(report_to), self.run_dir, config or {})
+        except BaseException:
+            self._f.close()
+            raise
 
     def log(self, step: int, row: Mapping[str, object]) -> dict[str, object]:
         """Validate and append {"step": step, **row}; returns the written row."""
@@ -123,19 +123,17 @@ class MetricsLogger:
             self._f.write(json.dumps(clean, allow_nan=False) + "\n")
             self._f.flush()
             os.fsync(self._f.fileno())  # a SIGKILL after log() returns cannot lose this row
-        if self._tb is not None:
-            for k, v in clean.items():
-                if k != "step" and isinstance(v, float):
-                    self._tb.add_scalar(k, v, int(step))
-            self._tb.flush()
+        numbers = {k: v for k, v in clean.items() if k != "step" and isinstance(v, float)}
+        for t in self._trackers:
+            t.log(int(step), numbers)
         return clean
 
     def close(self) -> None:
         if not self._f.closed:
             self._f.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for t in trackers:
+            t.close()
 
     def __enter__(self) -> MetricsLogger:
         return self

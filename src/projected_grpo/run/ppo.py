@@ -247,7 +247,7 @@ def train_ppo(cfg: C.Config) -> dict:
         monitor = intervene.open_monitor(cfg, model, knobs, tok, env, data.sets, data.prompt_ids, V_hack,
                                          run_dir)
         metrics.truncate_to(run_dir, start - 1)
-        logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard)
+        logger = metrics.MetricsLogger(run_dir, cfg.run.report_to, cfg.to_dict())
         bar = metrics.Progress(cfg.run.steps, initial=start)
         print(f"run {run_dir} from step {start} | PPO, {cfg.ppo.epochs} epochs x {cfg.ppo.minibatches} "
               f"minibatches | arm {cfg.proj.arm} ({cfg.proj.target}) | teacher {cfg.loss.teacher} | "

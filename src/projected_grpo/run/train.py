@@ -139,7 +139,7 @@ def train(cfg: C.Config) -> dict:
                                          run_dir if rank0 else None)
         if rank0:
             metrics.truncate_to(run_dir, start - 1)
-        logger = metrics.MetricsLogger(run_dir, tensorboard=cfg.run.tensorboard) if rank0 else None
+        logger = metrics.MetricsLogger(run_dir, cfg.run.report_to, cfg.to_dict()) if rank0 else None
         bar = metrics.Progress(cfg.run.steps, initial=start, disable=not rank0)
         print(f"run {run_dir} from step {start} | arm {cfg.proj.arm} ({cfg.proj.target}) | teacher "
               f"{cfg.loss.teacher} | G_s {cfg.rollout.G_s} + G_t {cfg.rollout.G_t} | {v_line}",
