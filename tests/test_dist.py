@@ -186,7 +186,7 @@ def _args(run_dir: pathlib.Path, cache: pathlib.Path, *extra: str) -> list[str]:
     return ["-m", "projected_grpo.cli", "train", "--preset", "smoke", "--arm", "route",
             "--run-dir", str(run_dir), "--model.cache-dir", str(cache), "--env.max-problems", "6",
             "--rollout.max-new-tokens", "8",
-            "--run.steps", "6", "--run.checkpoint-every", "2", "--rollout.seed-scope", "prompt", *extra]
+            "--run.steps", "6", "--run.checkpoint-every", "2", *extra]
 
 
 def _torchrun(*args: str) -> list[str]:
@@ -241,8 +241,11 @@ def test_torchrun_two_ranks_equal_one_process_and_resume_after_sigkill(tmp_path)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cache = tmp_path / "cache"
     run = lambda argv: subprocess.run(argv, env=env, check=True, capture_output=True)
-    run([sys.executable, *_args(tmp_path / "single", cache)])
+    # torchrun needs no flag (rollout.seed_scope auto resolves to prompt there); one process given it trains
+    # the same run
+    run([sys.executable, *_args(tmp_path / "single", cache, "--rollout.seed-scope", "prompt")])
     run(_torchrun(*_args(tmp_path / "dp", cache)))
+    assert json.loads((tmp_path / "dp" / "config.json").read_text())["rollout"]["seed_scope"] == "prompt"
 
     # the same global batch and seed: every metric and knob within float tolerance (the ranks sum their
     # gradients in another order than one process's micro-batch accumulation)
@@ -269,8 +272,8 @@ def test_torchrun_two_ranks_equal_one_process_and_resume_after_sigkill(tmp_path)
         _kill_all_when(proc, killed / ckpt, delay)
         assert not (killed / "summary.json").exists()
     # another world size is refused in one line, before any work
-    one = subprocess.run([sys.executable, *_args(killed, cache, "--resume")], env=env, capture_output=True,
-                         text=True)
+    one_process = _args(killed, cache, "--resume", "--rollout.seed-scope", "prompt")
+    one = subprocess.run([sys.executable, *one_process], env=env, capture_output=True, text=True)
     assert one.returncode == 2 and "written by 2 rank(s), this run has 1" in one.stderr
     run(_torchrun(*_args(killed, cache, "--resume")))
     strip = lambda rows: [{k: v for k, v in r.items() if k not in TIME_KEYS} for r in rows]

@@ -111,7 +111,8 @@ def test_smoke_writes_run_dir_and_finite_metrics(runs):
     assert {"metrics.jsonl", "summary.json", "config.json", "ckpt-000001", "ckpt-000002", "pool.jsonl"} <= {
         p.name for p in d.iterdir()}
     assert not [p for p in d.iterdir() if p.name.startswith(".")]  # no temp files left behind
-    assert C.Config.from_json(str(d / "config.json")) == cfg
+    # config.json holds the run's config with rollout.seed_scope "auto" resolved ("batch": one process)
+    assert C.Config.from_json(str(d / "config.json")) == C.replace(cfg, rollout={"seed_scope": "batch"})
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
         assert set(metrics.REQUIRED_METRICS) <= set(r) and metrics.undocumented(r) == []

@@ -11,6 +11,7 @@ imports torch.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -121,9 +122,10 @@ class RolloutCfg:
     """nucleus sampling mass for student rollouts"""
     micro_prompts: int = 0
     """prompts per forward/backward micro-batch, for gradient accumulation (0 = all prompts at once)"""
-    seed_scope: Literal["batch", "prompt"] = "batch"
+    seed_scope: Literal["auto", "batch", "prompt"] = "auto"
     """sampling seeds: `batch` one per step's sampling call; `prompt` one per prompt, so a prompt's samples do
-    not depend on the batch it is in (needed by data-parallel training: any world size samples alike)"""
+    not depend on the batch it is in (what data-parallel training needs: any world size samples alike);
+    `auto`: `prompt` under torchrun, else `batch` (resolved when the run starts; config.json holds which)"""
     share_prefix: bool = True
     """run each group's prompt once, its keys/values shared by the group's rows: in the scoring forwards
     (sampling/prefix.py; same log-probs and gradients up to fp32 rounding) and the students' prefill (the
@@ -389,6 +391,16 @@ class Config:
         from projected_grpo.configio import config_from_json
 
         return config_from_json(cls, path)
+
+
+def resolve_auto(cfg: Config) -> Config:
+    """cfg with rollout.seed_scope "auto" made concrete: "prompt" under torchrun (WORLD_SIZE > 1), else
+    "batch"; any other value unchanged. Every command's parse and every run's start apply it, so config.json
+    records the seeds a run drew."""
+    if cfg.rollout.seed_scope != "auto":
+        return cfg
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return replace(cfg, rollout={"seed_scope": "prompt" if world > 1 else "batch"})
 
 
 def replace(cfg: Config, **sections: dict) -> Config:

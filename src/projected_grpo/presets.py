@@ -22,6 +22,7 @@ from projected_grpo.config import (
     RolloutCfg,
     RunCfg,
     replace,
+    resolve_auto,
 )
 from projected_grpo.errors import UserError
 
@@ -167,4 +168,4 @@ def parse(argv: list[str], prog: str, opts_cls: type[Base] = TrainOpts, forbid: 
         cfg = replace(cfg, **sections)
     except ValueError as e:
         raise UserError(str(e)) from e
-    return tyro.cli(Config, default=cfg, args=rest, prog=prog), opts
+    return resolve_auto(tyro.cli(Config, default=cfg, args=rest, prog=prog)), opts

@@ -45,14 +45,16 @@ def is_main() -> bool:
     return rank() == 0
 
 
-def init(cfg: C.Config) -> None:
+def init(cfg: C.Config) -> C.Config:
     """Join torchrun's process group when WORLD_SIZE > 1 (gloo for a CPU model.device, NCCL for CUDA, each
-    rank on the GPU of its LOCAL_RANK); a no-op otherwise. Checks first what data parallelism needs: B
-    prompts that split evenly over the ranks, and per-prompt sampling seeds (rollout.seed_scope "prompt",
-    so the ranks sample what one process would)."""
+    rank on the GPU of its LOCAL_RANK); a no-op otherwise. Returns the config with rollout.seed_scope "auto"
+    resolved: "prompt" under torchrun (each prompt's samples from its own seed, so the ranks sample what one
+    process would), "batch" in one process. Checks first what data parallelism needs: B prompts that split
+    evenly over the ranks, and per-prompt sampling seeds."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = C.resolve_auto(cfg)
     if world <= 1 or dist.is_initialized():
-        return
+        return cfg
     device, B = cfg.model.device, cfg.rollout.prompts_per_step
     cuda = device.startswith("cuda")
     if cuda and device != "cuda":
@@ -63,14 +65,15 @@ def init(cfg: C.Config) -> None:
                         f"multiple of {world} (each rank samples B / world_size prompts)")
     if cfg.rollout.seed_scope != "prompt":
         raise UserError(f"config: rollout.seed_scope={cfg.rollout.seed_scope!r}: data-parallel training "
-                        "draws each prompt's samples from its own seed; add --rollout.seed-scope prompt (one "
-                        "process with it trains the same run)")
+                        "draws each prompt's samples from its own seed; drop the flag (auto) or pass "
+                        "--rollout.seed-scope prompt (one process with it trains the same run)")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo")
     if is_main():
         print(f"data parallel: {world} ranks ({dist.get_backend()}), {B // world} prompts each per step",
               file=sys.stderr, flush=True)
+    return cfg
 
 
 def close() -> None:

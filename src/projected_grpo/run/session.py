@@ -105,9 +105,10 @@ def cleanup_on_failure() -> Iterator[None]:
 
 
 def open_run(cfg: C.Config, name: str) -> tuple[C.Config, checkpoint.Checkpoint | None]:
-    """(the config with run.dir resolved, the checkpoint to resume from or None); the run directory is
-    created and locked (rank 0 under torchrun: only it writes), config.json written and every RNG seeded.
-    name: the default directory's middle part, e.g. "ppo-none"."""
+    """(the config with run.dir and rollout.seed_scope resolved, the checkpoint to resume from or None); the
+    run directory is created and locked (rank 0 under torchrun: only it writes), config.json written and every
+    RNG seeded. name: the default directory's middle part, e.g. "ppo-none"."""
+    cfg = C.resolve_auto(cfg)  # config.json records which seeds the run drew ("auto" resolved)
     run_dir = pathlib.Path(cfg.run.dir or dist.from_main(f"runs/{cfg.model.source}-{name}-s{cfg.run.seed}-"
                                                          f"{time.strftime('%Y%m%d-%H%M%S')}"))
     if dist.is_main():

@@ -115,7 +115,7 @@ def refresh_v_hack(cfg: C.Config, model, knobs, tok, env, problems, V_hack: dict
 def train(cfg: C.Config) -> dict:
     """Run GRPO as configured; returns the end-of-run summary (also written to run_dir/summary.json)."""
     # --- run directory, resolved config, seeding (TRY NOT TO MODIFY, cleanrl) ---
-    dist.init(cfg)  # torchrun: join the process group (run/dist.py); one process: nothing
+    cfg = dist.init(cfg)  # torchrun: join the process group (run/dist.py); rollout.seed_scope auto resolved
     cfg, ck = session.open_run(cfg, cfg.proj.arm)  # run dir, resume checks, config.json, every RNG seeded
     run_dir = pathlib.Path(cfg.run.dir)
     rank0 = dist.is_main()  # only rank 0 writes: config, metrics, checkpoints, summary
