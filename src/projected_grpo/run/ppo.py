@@ -223,8 +223,9 @@ def optimize(cfg: C.Config, model, knobs, head: ValueHead, opt, tok, samples, re
     return updates, old, adv, gae_stats
 
 
-def train_ppo(cfg: C.Config) -> dict:
-    """Run PPO as configured; returns the end-of-run summary (also written to run_dir/summary.json)."""
+def train_ppo(cfg: C.Config, env=None) -> dict:
+    """Run PPO as configured; returns the end-of-run summary (also written to run_dir/summary.json). env: an
+    environment object instead of cfg.env's (api.train)."""
     if cfg.proj.refresh_every:
         raise UserError("config: proj.refresh_every (online V_hack refresh) is run by the GRPO loop only; "
                         "with loss.algo ppo set it to 0")
@@ -236,7 +237,7 @@ def train_ppo(cfg: C.Config) -> dict:
     model, tok = setup.load_model(cfg)
     knobs = setup.wrap_knobs(cfg, model)
     head = ValueHead(model.config.hidden_size, device=cfg.model.device)
-    with contextlib.closing(setup.make_env(cfg)) as env:
+    with contextlib.closing(env or setup.make_env(cfg)) as env:
         data = session.open_data(cfg, env, tok, run_dir)
         opt = make_optimizer(cfg, knobs, head)
         V_hack, v_line, start = session.resume(ck, knobs, opt, data, extra=head, fresh=lambda: (

@@ -112,8 +112,9 @@ def refresh_v_hack(cfg: C.Config, model, knobs, tok, env, problems, V_hack: dict
     return V_new, {"proj/v_overlap": overlap}
 
 
-def train(cfg: C.Config) -> dict:
-    """Run GRPO as configured; returns the end-of-run summary (also written to run_dir/summary.json)."""
+def train(cfg: C.Config, env=None) -> dict:
+    """Run GRPO as configured; returns the end-of-run summary (also written to run_dir/summary.json). env: an
+    environment object to train in instead of cfg.env's (the Python API's reward callable, api.train)."""
     # --- run directory, resolved config, seeding (TRY NOT TO MODIFY, cleanrl) ---
     cfg = dist.init(cfg)  # torchrun: join the process group (run/dist.py); rollout.seed_scope auto resolved
     cfg, ck = session.open_run(cfg, cfg.proj.arm)  # run dir, resume checks, config.json, every RNG seeded
@@ -125,7 +126,7 @@ def train(cfg: C.Config) -> dict:
         model, tok = setup.load_model(cfg)
         knobs = setup.wrap_knobs(cfg, model)
     score = scoring(model, cfg.rollout.share_prefix)  # each group's prompt run once, or per row (packed)
-    with contextlib.closing(setup.make_env(cfg)) as env:
+    with contextlib.closing(env or setup.make_env(cfg)) as env:
         data = session.open_data(cfg, env, tok, run_dir)  # prompts, teacher pool, cursors
         opt = torch.optim.AdamW([{"params": knobs.parameters()}, {"params": knobs.hack_parameters()}],
                                 lr=cfg.optim.lr, betas=cfg.optim.betas, eps=cfg.optim.eps,
