@@ -17,7 +17,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "projected_grpo"
 BASE = {"store", "errors"}
 ALLOWED: dict[str, set[str]] = {
     "store": {"errors"}, "errors": set(), "stats": set(),
-    "config": {"errors", "configio", "config_algos", "config_monitor"},
+    "config": {"errors", "configio", "config_algos", "config_monitor", "config_run"},
+    "config_run": {"errors", "configio"},
     "configio": {"errors"}, "config_algos": {"errors", "configio"},
     "config_monitor": {"errors", "configio"},
     "presets": {"config", "errors"}, "models": BASE,

@@ -129,7 +129,7 @@ def test_tensorboard_missing_is_a_clear_error(tmp_path):
 
 
 def test_the_trackers_are_the_configs_choices():
-    from projected_grpo.config import REPORT_TO
+    from projected_grpo.config_run import REPORT_TO
     from projected_grpo.run.trackers import TRACKERS
 
     assert tuple(TRACKERS) == REPORT_TO
