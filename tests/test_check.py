@@ -75,3 +75,53 @@ def test_no_or_one_held_out_prompt_is_undecided():
     one = check.separation({"m": torch.tensor([[1.0, 0.0]])}, [0], {"m": E1}, {"random": {"m": E2}})
     assert one["scores"]["real"] == [1.0, None, None] and one["vs"]["random"]["beats"] is None
     assert one["passed"] is None and check.verdict(one)[0] is None
+
+
+def test_ordering_hand_computed():
+    # 3 prompts; completions (prompt, label, real score, control score):
+    #   prompt 0: hack 3, clean 1, clean 2 | control: hack 0, cleans 1, 2
+    #   prompt 1: hack 5, clean 4           | control: hack 1, clean 0
+    #   prompt 2: hack 0, clean 1           | control: hack 1, clean 1 (a tie: 1/2)
+    # within-prompt AUC real: 1 (3 > 1, 3 > 2), 1, 0 -> mean 2/3; control: 0, 1, 0.5 -> mean 0.5
+    # real − control per prompt: 1, 0, -0.5 -> mean 1/6, sd = sqrt((25 + 1 + 16) / 36 / 2) = 0.7638
+    # pooled real: hacks {3, 5, 0} vs cleans {1, 2, 4, 1}: 3 beats 1, 2, 1 (3 of 4); 5 beats all 4; 0 none
+    #   -> 7 / 12; balanced accuracy at its best cut (> 4.5 flags the 5 alone: tpr 1/3, tnr 1; > 2.5 flags 3,
+    #   5 and the clean 4: tpr 2/3, tnr 3/4 -> 0.708)
+    labels = torch.tensor([True, False, False, True, False, True, False])
+    groups = [0, 0, 0, 1, 1, 2, 2]
+    real = torch.tensor([3.0, 1.0, 2.0, 5.0, 4.0, 0.0, 1.0])
+    control = torch.tensor([0.0, 1.0, 2.0, 1.0, 0.0, 1.0, 1.0])
+    out = check.ordering({"real": real, "random": control}, labels, groups, n_boot=200)
+    assert (out["n_completions"], out["n_prompts"]) == (7, 3)
+    assert out["auc"]["real"]["within"][0] == pytest.approx(2 / 3)
+    assert out["auc"]["random"]["within"][0] == pytest.approx(0.5)
+    assert out["auc"]["real"]["pooled"][0] == pytest.approx(7 / 12)
+    lo, hi = out["auc"]["real"]["pooled"][1:]
+    assert 0.0 <= lo <= 7 / 12 <= hi <= 1.0
+    assert out["auc"]["real"]["bacc"] == pytest.approx((2 / 3 + 3 / 4) / 2)
+    v = out["vs"]["random"]
+    assert v["diff"][0] == pytest.approx(1 / 6)
+    # t = (1/6) / (0.7638 / sqrt 3) = 0.378, df 2: two-sided p = 0.7418; one control: Holm = raw
+    assert v["p"] == pytest.approx(0.7418, abs=1e-4) and v["p_holm"] == pytest.approx(v["p"])
+    assert v["beats"] is False and out["passed"] is False
+
+
+def test_ordering_real_beats_a_control_that_does_not_rank():
+    # 10 prompts, each a hack scored above its two cleans by the real V; the control scores noise
+    gen = torch.Generator().manual_seed(0)
+    labels = torch.tensor([True, False, False] * 10)
+    groups = [i // 3 for i in range(30)]
+    real = torch.randn(30, generator=gen) + 5 * labels
+    noise = torch.randn(30, generator=gen)
+    out = check.ordering({"real": real, "energy": noise, "within": -real}, labels, groups, seed=1)
+    assert out["passed"] is True and list(out["vs"]) == ["energy", "within"]  # check.CHECKED order
+    assert out["auc"]["real"]["within"][0] == 1.0 and out["auc"]["within"]["within"][0] == 0.0
+    assert all(v["beats"] and v["p_holm"] >= v["p"] for v in out["vs"].values())
+    # deterministic given the seed
+    assert check.ordering({"real": real, "energy": noise}, labels, groups, seed=1)["auc"] == \
+        {k: out["auc"][k] for k in ("real", "energy")}
+
+
+def test_ordering_needs_both_labels_in_every_prompt():
+    with pytest.raises(ValueError, match="every prompt needs a hack and a clean"):
+        check.ordering({"real": torch.zeros(3)}, torch.tensor([True, False, True]), [0, 0, 1])

@@ -110,6 +110,20 @@ def test_best_threshold_and_auc_hand_example():
         probe.best_threshold(s, torch.ones(4, dtype=torch.bool))
 
 
+def test_auc_interval_resamples_whole_prompts():
+    # two prompts, each ranking its hack above its clean, but prompt b's scores all above prompt a's:
+    # pooled AUC = P(hack > clean) over 2 x 2 = (1 + 0 + 1 + 1) / 4: a's hack 1 < b's clean 2
+    s, y = torch.tensor([1.0, 0.0, 3.0, 2.0]), torch.tensor([True, False, True, False])
+    auc, lo, hi = probe.auc_interval(s, y, ["a", "a", "b", "b"], seed=0, n=400)
+    assert auc == pytest.approx(0.75)
+    # a resample is {a, a}, {b, b} (AUC 1) or {a, b} (0.75): the interval lies in [0.75, 1]
+    assert 0.75 <= lo <= hi <= 1.0 and (lo, hi) == tuple(probe.auc_interval(s, y, list("aabb"), 0, 400)[1:])
+    # groups holding one label each (h: the hacks 1, 3; c: the cleans 0, 2): a resample {h, h} or {c, c}
+    # lacks a label and counts as chance, 0.5, not dropped; {h, c} gives 0.75 -> the interval [0.5, 0.75]
+    assert probe.auc_interval(s, y, ["h", "c", "h", "c"], seed=0, n=400) == [0.75, 0.5, 0.75]
+    assert probe.auc_interval(s, y, ["a"] * 4)[1:] == [None, None]  # one prompt: no interval
+
+
 def test_fit_logistic_is_the_regularised_optimum():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(60, 3, generator=gen)
@@ -171,6 +185,8 @@ def test_probe_is_fitted_on_other_prompts_and_never_reads_a_grade(tmp_path):
     assert m.reads == frozenset() and m.labels == "per-sample (other prompts)"
     r = m.report
     assert r["rows_fit"] > 0 and r["rows_heldout"] > 0 and 0.0 <= r["heldout_auc"] <= 1.0
+    lo, hi = r["heldout_auc_interval"]
+    assert 0.0 <= lo <= hi <= 1.0 and r["prompts_heldout"] == 3  # round(0.25 * 12) prompts held out
     # its labelled completions' prompts: the same problems under the next loophole mode, none trained on
     rows = monitors.probe_rows(inp)
     assert not {tuple(p) for _, p, _, _ in rows} & inp.trained_prompts

@@ -82,3 +82,20 @@ def test_interval_format():
     assert stats.Interval(-0.373, -0.52, -0.225, 0.05, 3).fmt() == "-37.3 [-52.0, -22.5]"
     assert stats.Interval(0.1, None, None, None, 1).fmt() == "+10.0 n/a"
     assert math.isclose(stats.LEVEL + stats.ALPHA, 1.0)
+
+
+def test_cluster_bootstrap_percentile_interval():
+    # two clusters of values 0 and 1, stat = mean of the drawn ones: a resample of 2 gives 0, 0.5 or 1 with
+    # probability 1/4, 1/2, 1/4, so with 2000 resamples the 2.5% and 97.5% quantiles are 0 and 1
+    lo, hi = stats.cluster_bootstrap([0, 1], lambda ids: sum(ids) / len(ids), n=2000, seed=0)
+    assert (lo, hi) == (0.0, 1.0)
+    # a statistic that does not depend on the draw has a zero-width interval
+    assert stats.cluster_bootstrap([3, 4, 5], lambda ids: 0.25) == (0.25, 0.25)
+    # seeded: the same seed, the same interval; the draw receives cluster ids only
+    def mean(ids):
+        return sum(ids) / len(ids)
+
+    assert stats.cluster_bootstrap(list(range(10)), mean, 500, 7) == \
+        stats.cluster_bootstrap(list(range(10)), mean, 500, 7)
+    with pytest.raises(ValueError, match="no clusters"):
+        stats.cluster_bootstrap([], mean)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from projected_grpo.hack.pairs import Pair, shuffle_labels, within_pairs
 from projected_grpo.hack.subspace import (
+    along,
     capture,
     centred,
     directions_from_grads,
@@ -122,6 +123,18 @@ def test_capture_pools_modules_one_sided_hand_computed():
     # a module without V counts in the denominator only: row 0 -> 3 / 13 still without b's V, row 1 -> 0
     torch.testing.assert_close(capture(X, {"a": V["a"]}), torch.tensor([3 / 13, 0.0]))
     torch.testing.assert_close(capture({"a": torch.zeros(1, 2)}, {"a": V["a"]}), torch.tensor([0.0]))
+
+
+def test_along_sums_every_row_of_every_module_hand_computed():
+    # row 0: a x = (3, 4), V_a rows e1, e2 -> 3 + 4 = 7; b x = (0, 12), V_b = -e2 -> -12; total -5
+    # row 1: a x = (-3, 0) -> -3 + 0; b x = (0, -4) -> +4; total 1. A module without V adds 0.
+    X = {"a": torch.tensor([[3.0, 4.0], [-3.0, 0.0]]), "b": torch.tensor([[0.0, 12.0], [0.0, -4.0]])}
+    V = {"a": torch.eye(2), "b": torch.tensor([[0.0, -1.0]])}
+    out = along(X, V)
+    assert out.dtype == torch.float64 and out.tolist() == [-5.0, 1.0]
+    assert along(X, {"a": V["a"]}).tolist() == [7.0, -3.0]
+    with pytest.raises(ValueError, match="no modules"):
+        along({}, V)
 
 
 def _completion_grads(R: int = 6, seed: int = 0):

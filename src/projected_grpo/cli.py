@@ -48,6 +48,8 @@ COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
                    "projected_grpo.run.pool_cli:build_pool_main"),
     "extract-direction": ("extract V_hack, per-module hack directions",
                           "projected_grpo.run.direction_cli:main"),
+    "separation": ("Tier 0, no RL: V_hack's, the direction monitor's and the probe's held-out separation "
+                   "of hack from clean beside every control", "projected_grpo.run.separation:main"),
     "check-grader": ("self-check loophole graders + oracle",
                      "projected_grpo.envs.coding.selfcheck:check_grader"),
     "check-verifier": ("self-check the maths verifiers on a GSM8K file",

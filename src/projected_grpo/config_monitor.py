@@ -43,6 +43,9 @@ class MonitorCfg:
     probe_pairs: str = ""
     """probe: a pairs file (prompt, hack, clean) of labelled completions, none of whose prompts the run
     trains on; empty = the templates of the environment's probe_problems()"""
+    probe_problems: int = 0
+    """probe: use the first N of the environment's probe problems (0 = all of them: 200 for maths, one per
+    problem for coding); each gives several labelled completions, one forward each, at the build"""
     probe_heldout: float = 0.25
     """probe: share of the labelled prompts held out to choose the threshold and measure AUC and accuracy"""
     probe_l2: float = 0.01
@@ -52,6 +55,7 @@ class MonitorCfg:
         _check(self)
         _positive(self, "penalty", "coef", allow_zero=True)
         _positive(self, "probe_l2")
+        _positive(self, "probe_problems", allow_zero=True)
         if not 0.0 <= self.accuracy <= 1.0 or not 0.0 < self.probe_heldout < 1.0:
             raise UserError(f"config: MonitorCfg.accuracy={self.accuracy!r} must be in [0, 1] and "
                             f"probe_heldout={self.probe_heldout!r} in (0, 1)")

@@ -10,6 +10,9 @@ Choices (docs/preregistration.md, "Statistics"):
                 controls the chance of any false "beats" at α without assuming the tests independent.
   seeds_needed  n ≥ ((z_{1-α/2} + z_{1-β}) · σ / δ)², the normal-approximation sample size of a paired
                 two-sided test (slightly optimistic at small n, where t replaces z).
+  cluster_bootstrap  the percentile interval of a statistic of whole clusters (held-out prompts) resampled
+                with replacement: for a statistic that is not a mean of per-cluster values (a pooled AUC),
+                where a t-interval has no per-cluster values to use.
 Plain numbers in, plain numbers out: no tensors, no config. scipy gives the t distribution; Holm's step-down
 is eight lines that scipy does not have (statsmodels does, as a much larger dependency).
 """
@@ -17,7 +20,7 @@ is eight lines that scipy does not have (statsmodels does, as a much larger depe
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -111,3 +114,19 @@ def seeds_needed(sd: float | None, delta: float, alpha: float = ALPHA, power: fl
         raise ValueError(f"seeds_needed: delta must be > 0, got {delta}")
     z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(power)
     return max(2, math.ceil((z * sd / delta) ** 2 - 1e-9))
+
+
+def cluster_bootstrap(clusters: Sequence[int], stat: Callable[[list[int]], float], n: int = 2000,
+                      seed: int = 0, level: float = LEVEL) -> tuple[float, float]:
+    """(lo, hi): the two-sided percentile interval at `level` of stat(resample) over n resamples, each as many
+    clusters as given, drawn with replacement (scipy.stats.bootstrap with a seeded generator:
+    deterministic). stat receives the drawn cluster ids, repeats included. With few clusters (under ~10)
+    the interval is too narrow: read it as rough."""
+    import numpy as np
+
+    if not clusters:
+        raise ValueError("cluster_bootstrap: no clusters")
+    ci = _sp.bootstrap((np.asarray(clusters),), lambda ids: float(stat([int(i) for i in ids])),
+                       vectorized=False, n_resamples=n, confidence_level=level, method="percentile",
+                       rng=np.random.default_rng(seed)).confidence_interval
+    return float(ci.low), float(ci.high)

@@ -10,6 +10,13 @@ adjusted over the controls compared (stats.py). The real V beats a control when 
 with Holm-adjusted p < stats.ALPHA; it passes the check when it beats every control that could be built.
 Undecided (None) with fewer than 2 held-out prompts. docs/preregistration.md ("V checked before use") states
 the rule.
+`ordering` asks the same of the direction monitor's score of each held-out completion (monitors.py: the
+completion's NLL gradient summed along V's rows, subspace.along): how well it ranks the held-out hacks above
+the cleans, per V. Its unit is again the held-out prompt: the within-prompt AUC (each hack of a prompt
+against each clean of it), t-interval over prompts, the real V against each control paired per prompt and
+Holm-adjusted. Beside it the pooled AUC over every held-out completion, what a monitor's one threshold
+faces across prompts, with a percentile interval from resampling whole prompts (stats.cluster_bootstrap),
+and the balanced accuracy at the best cut of those same rows (optimistic: chosen on them).
 Deliberately not here: extracting V or the controls (direction.py, controls.py), refusing a run
 (resolve.py).
 """
@@ -18,9 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch import Tensor
 
 from projected_grpo import stats
+from projected_grpo.hack.probe import auc, auc_interval, best_threshold
 from projected_grpo.hack.subspace import capture
 
 # the controls a real V is checked against, in the order they are printed (docs/preregistration.md)
@@ -55,15 +64,51 @@ def separation(D_held: Mapping[str, Tensor], groups: Sequence[int], real: Mappin
         return out
     per = {name: _per_prompt(capture(D_held, V), groups) for name, V in {"real": real, **controls}.items()}
     out["scores"] = {name: _interval(stats.t_interval(list(v.values()))) for name, v in per.items()}
+    out["vs"], out["passed"] = _versus(per, list(controls))
+    return out
+
+
+def _versus(per: Mapping[str, Mapping[int, float]], controls: Sequence[str]) -> tuple[dict, bool | None]:
+    """The real V against each control on per-prompt values (per[name]: prompt -> value): {control: {diff:
+    [mean, lo, hi] of real − control, p, p_holm, beats}} with Holm over `controls`, and passed (beats every
+    one; None: undecided or no control)."""
     names = [c for c in CHECKED if c in controls] + sorted(set(controls) - set(CHECKED))
     pairs = {c: stats.paired(per["real"], per[c]) for c in names}
-    adjusted = stats.holm([pairs[c].p for c in names])
-    for c, p_holm in zip(names, adjusted):
+    out = {}
+    for c, p_holm in zip(names, stats.holm([pairs[c].p for c in names])):
         iv = pairs[c].interval
         beats = None if p_holm is None else bool(iv.mean > 0 and p_holm < stats.ALPHA)
-        out["vs"][c] = {"diff": _interval(iv), "p": pairs[c].p, "p_holm": p_holm, "beats": beats}
-    verdicts = [v["beats"] for v in out["vs"].values()]
-    out["passed"] = None if not verdicts or None in verdicts else all(verdicts)
+        out[c] = {"diff": _interval(iv), "p": pairs[c].p, "p_holm": p_holm, "beats": beats}
+    verdicts = [v["beats"] for v in out.values()]
+    return out, (None if not verdicts or None in verdicts else all(verdicts))
+
+
+def ordering(scores: Mapping[str, Tensor], labels: Tensor, groups: Sequence[int], seed: int = 0,
+             n_boot: int = 2000) -> dict:
+    """scores[name] (N,): a score of each of N held-out completions, high = hack-like ("real" and each
+    control); labels (N,) bool, True for a hack; groups: each completion's prompt id (N,), every prompt
+    holding both labels. Returns a JSON-able record:
+      n_completions, n_prompts;
+      auc: name -> {within: [mean, lo, hi] of the per-prompt AUCs (t-interval; lo, hi None under 2 prompts),
+        pooled: [AUC, lo, hi] over all N (percentile interval of n_boot resamples of whole prompts, drawn
+        with `seed`; None under 2 prompts), bacc: balanced accuracy at the pooled scores' best cut};
+      vs: control -> {diff: [mean, lo, hi] of real − control within-prompt AUC, p, p_holm, beats};
+      passed: the real V beats every control (None: undecided)."""
+    rows: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        rows.setdefault(g, []).append(i)
+    at = {g: torch.tensor(r) for g, r in rows.items()}
+    if any(labels[r].all() or not labels[r].any() for r in at.values()):
+        raise ValueError("ordering: every prompt needs a hack and a clean completion")
+    out = {"n_completions": len(groups), "n_prompts": len(rows), "auc": {}, "vs": {}, "passed": None}
+    per = {}
+    for name, x in scores.items():
+        x = x.double()
+        per[name] = {g: auc(x[r], labels[r]) for g, r in at.items()}
+        out["auc"][name] = {"within": _interval(stats.t_interval(list(per[name].values()))),
+                            "pooled": auc_interval(x, labels, groups, seed, n_boot),
+                            "bacc": best_threshold(x, labels)[1]}
+    out["vs"], out["passed"] = _versus(per, [n for n in scores if n != "real"])
     return out
 
 

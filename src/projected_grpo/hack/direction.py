@@ -143,9 +143,28 @@ def _control(name: str, seed: int, G: dict, V: dict[str, Tensor], S: dict[str, T
     return V_c, S_c
 
 
+@dataclass
+class Extraction:
+    """Everything one extraction computed: `direction` (what extract_direction returns), the real V (module ->
+    (K, R); direction.V is the control's under settings.control), every control V the check built (name ->
+    module -> (K, R)), the held-out pairs and their knob gradients g_hack, g_clean (module -> (H, R); empty
+    dicts when nothing is held out). run/separation.py scores the direction monitor with them."""
+
+    direction: Direction
+    real: dict[str, Tensor]
+    controls: dict[str, dict[str, Tensor]]
+    held: list[Pair]
+    g_held: tuple[dict[str, Tensor], dict[str, Tensor]]
+
+
 def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSettings) -> Direction:
     """V_hack from `pairs` under `settings`: the V of settings.control (the real one for "none"), with the
     real V's held-out check against every control in its stats (see the module docstring)."""
+    return extract(model, knobs, tokenizer, pairs, settings).direction
+
+
+def extract(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSettings) -> Extraction:
+    """extract_direction, keeping what it computed on the way (Extraction)."""
     fit, held = split_heldout(list(pairs), settings.heldout_frac)
     lists, unavailable = _pair_lists(fit, CHECK_SEED)
     control, seed = settings.control, settings.seed
@@ -156,6 +175,7 @@ def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: 
     every_list = {"fit": fit, "held": held, **lists}
     G = _grads(model, knobs, tokenizer, {n: ps for n, ps in every_list.items() if ps}, settings)
     V, S, stats = directions_from_grads(*G["fit"], settings.k)
+    real = V
     groups = completions_by_prompt(fit)
     C_fit = centred(*G["fit"], groups) if max(len(g) for g in groups) > 2 else None
     fitted = {}
@@ -184,7 +204,8 @@ def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: 
     stats |= {"n_pairs": len(pairs), "n_train": len(fit), "n_heldout": len(held),
               "heldout_prompts": len(set(prompt_groups(held))), "check": check}
     meta = cache_meta(settings, knobs, tokenizer, pairs)
-    return Direction(V, S, {**meta, "stats": json.dumps(stats, sort_keys=True)})
+    return Extraction(Direction(V, S, {**meta, "stats": json.dumps(stats, sort_keys=True)}), real,
+                      {n: f[0] for n, f in fitted.items()}, held, G.get("held", ({}, {})))
 
 
 # --- storage and cache -------------------------------------------------------------------------

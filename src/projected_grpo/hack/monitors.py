@@ -32,6 +32,7 @@ from torch import Tensor
 from projected_grpo import config as C
 from projected_grpo.errors import UserError
 from projected_grpo.hack import knob_grads, pairs, probe, resolve
+from projected_grpo.hack.subspace import along
 from projected_grpo.sampling.generate import step_seed
 from projected_grpo.sampling.pack import encode_completion, encode_prompt, pack
 from projected_grpo.sampling.sample import Sample
@@ -176,11 +177,7 @@ class Direction(Monitor):
         """(N,) float64: sum over modules (the knobs' order) and rows of V_hack of V_m · g_m."""
         g = knob_grads.sequence_grads(self.model, self.knobs, prompt_ids, completion_ids, self.pad_id,
                                       self.norm, self.nll_const)
-        total = torch.zeros(len(prompt_ids), dtype=torch.float64)
-        for n in self.knobs.modules:
-            if n in self.V:
-                total += (g[n].double() @ self.V[n].double().T).sum(1)
-        return total
+        return along(g, self.V)
 
     def score(self, r: Rollouts) -> Scored:
         h_p, h_c = [p for p, _, _ in self.heldout], [c for _, c, _ in self.heldout]
@@ -243,7 +240,8 @@ def _detector(inp: MonitorInputs) -> Monitor:
 def probe_rows(inp: MonitorInputs) -> list[tuple[str, list[int], list[int], bool]]:
     """(prompt group, prompt ids, completion ids, is hack) of the probe's labelled completions:
     monitor.probe_pairs (hack and clean of each pair), else the templates of the environment's
-    probe_problems() (hack: True; clean and buggy: False). A prompt the run trains on is refused."""
+    probe_problems() (the first monitor.probe_problems of them, 0: all; hack: True; clean and buggy: False).
+    A prompt the run trains on is refused."""
     tok, cfg, out = inp.tokenizer, inp.cfg, []
     if cfg.monitor.probe_pairs:
         for p in pairs.load_pairs_file(cfg.monitor.probe_pairs):
@@ -254,7 +252,7 @@ def probe_rows(inp: MonitorInputs) -> list[tuple[str, list[int], list[int], bool
         if not hasattr(inp.env, "probe_problems"):
             raise UserError(f"monitor.kind=probe: environment {inp.env.name!r} has no problems outside the "
                             "run's for the probe's labelled completions; give --monitor.probe-pairs FILE")
-        for prob in inp.env.probe_problems():
+        for prob in inp.env.probe_problems()[:cfg.monitor.probe_problems or None]:
             prompt_ids = encode_prompt(tok, inp.env.messages(prob))
             for kind, label in (("hack", True), ("clean", False), ("buggy", False)):
                 out += [(prob.id, prompt_ids, encode_completion(tok, t), label)
@@ -285,8 +283,11 @@ def _probe(inp: MonitorInputs) -> Monitor:
     lin = probe.fit_logistic(x[fit], y[fit], cfg.monitor.probe_l2)
     logit_h = lin.logits(x[held])
     threshold, bacc = probe.best_threshold(logit_h, y[held])
-    report = {"rows_fit": len(fit), "rows_heldout": len(held), "layer": layer, "threshold": threshold,
-              "heldout_auc": probe.auc(logit_h, y[held]),
+    groups_h = [rows[i][0] for i in held]
+    auc_h = probe.auc_interval(logit_h, y[held], groups_h, cfg.run.seed)
+    report = {"rows_fit": len(fit), "rows_heldout": len(held), "prompts_heldout": len(set(groups_h)),
+              "layer": layer, "threshold": threshold, "heldout_auc": auc_h[0],
+              "heldout_auc_interval": auc_h[1:],
               "heldout_accuracy": float(((logit_h > threshold) == y[held]).float().mean()),
               "heldout_balanced_accuracy": bacc,
               "fit_accuracy": float(((lin.logits(x[fit]) > threshold) == y[fit]).float().mean())}

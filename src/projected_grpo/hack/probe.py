@@ -9,6 +9,7 @@ completions of prompts the run does not train on (docs/interventions.md). Here:
                     project's dependencies has one, and it is 20 lines)
   best_threshold    the cut of held-out scores with the best balanced accuracy
   auc               the held-out ROC AUC (Mann-Whitney, ties count half)
+  auc_interval      the AUC with a percentile interval from resampling whole prompts (stats.cluster_bootstrap)
   split_groups      fit / held-out rows by whole prompt (seeded)
 Shapes: N rows, D hidden size, T completion tokens.
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from projected_grpo import stats
 from projected_grpo.sampling.pack import SeqBatch, position_ids_from_mask
 from projected_grpo.sampling.score import accepts_logits_to_keep
 
@@ -116,6 +118,23 @@ def auc(scores: Tensor, labels: Tensor) -> float:
         raise ValueError("auc: the rows need both labels")
     pos, neg = scores[labels].double(), scores[~labels].double()
     return float(((pos[:, None] > neg[None]).double() + 0.5 * (pos[:, None] == neg[None]).double()).mean())
+
+
+def auc_interval(scores: Tensor, labels: Tensor, groups: Sequence, seed: int = 0, n: int = 2000
+                 ) -> list[float | None]:
+    """[AUC, lo, hi] of scores (N,) against labels (N,) bool, the interval (stats.LEVEL, percentile) from n
+    resamples of whole groups (prompts: rows of one prompt are not independent) drawn with `seed`; lo, hi
+    None under 2 groups. A resample whose rows lack a label (a group may hold one label only) counts as
+    AUC 0.5, chance: the interval widens rather than drops it."""
+    ids = {g: i for i, g in enumerate(dict.fromkeys(groups))}
+    at = [torch.tensor([j for j, g in enumerate(groups) if ids[g] == i]) for i in range(len(ids))]
+
+    def pooled(drawn: list[int]) -> float:
+        r = torch.cat([at[i] for i in drawn])
+        return 0.5 if labels[r].all() or not labels[r].any() else auc(scores[r], labels[r])
+
+    ci = stats.cluster_bootstrap(list(range(len(at))), pooled, n, seed) if len(at) > 1 else (None, None)
+    return [auc(scores, labels), *ci]
 
 
 def split_groups(groups: Sequence[str], heldout_frac: float, seed: int) -> tuple[list[int], list[int]]:

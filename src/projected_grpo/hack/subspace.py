@@ -10,6 +10,7 @@ projection's one-sided gate removes relu(V·g) and so needs +v to point hack-war
   energy           ‖X Vᵀ‖²_F / ‖X‖²_F: the share of a gradient set's energy inside span(V), both signs
   centred          each prompt's completion gradients minus the prompt's mean (the span GRPO's gradient is in)
   capture          per row ‖relu(V x)‖² and ‖x‖², pooled over modules: the one-sided gate's own measure
+  along            per row Σ_m Σ_k v_mk · x_m: the direction monitor's raw score of a gradient
 Deliberately not here: the gradients (knob_grads.py), the controls (controls.py), storage (direction.py).
 """
 
@@ -115,3 +116,16 @@ def capture(X: Mapping[str, Tensor], V: Mapping[str, Tensor]) -> Tensor:
     if num is None:
         raise ValueError("capture: no modules")
     return torch.where(den > 0, num.sqrt() / den.clamp_min(1e-38).sqrt(), torch.zeros_like(den))
+
+
+def along(X: Mapping[str, Tensor], V: Mapping[str, Tensor]) -> Tensor:
+    """Per row n the sum over modules and V's rows of v_mk · x_nm, in float64: the direction monitor's raw
+    score (hack/monitors.py), high for a hack-like completion's NLL gradient since V's rows point hack-ward.
+    X[m] (N, R_m) in X's module order, V[m] (K_m, R_m); a module without V adds 0. Returns (N,)."""
+    if not X:
+        raise ValueError("along: no modules")
+    total = torch.zeros(len(next(iter(X.values()))), dtype=torch.float64)
+    for m, x in X.items():
+        if m in V:
+            total += (x.double() @ V[m].double().T).sum(1)
+    return total
