@@ -29,7 +29,7 @@ def test_smollm2_grpo_steps_on_gsm8k(shared_data, smollm2_dir, tmp_path, monkeyp
             "--env.modes", "strict", "--env.max-problems", "2", "--env.eval-size", "2",
             "--env.curriculum-steps", "1", "--run.steps", "2", "--run.eval-every", "2",
             "--rollout.prompts-per-step", "1", "--rollout.group-size", "2", "--rollout.mix", "0",
-            "--rollout.max-new-tokens", "48", "--proj.pairs-per-problem", "1", "--proj.n-heldout", "0",
+            "--rollout.max-new-tokens", "48", "--proj.pairs-per-problem", "1", "--proj.heldout-frac", "0",
             "--optim.lr", "1e-3"]
     assert main(argv) == 0
     rows = metrics.read_rows(run_dir / metrics.METRICS_FILE)
