@@ -18,6 +18,7 @@ from projected_grpo.hack.subspace import (
     directions_from_grads,
     energy,
     orient,
+    shared_span,
     top_directions,
 )
 
@@ -135,6 +136,16 @@ def test_along_sums_every_row_of_every_module_hand_computed():
     assert along(X, {"a": V["a"]}).tolist() == [7.0, -3.0]
     with pytest.raises(ValueError, match="no modules"):
         along({}, V)
+
+
+def test_shared_span_hand_computed():
+    # module a: A rows e1, (e2 + e3)/sqrt 2 against B = span(e1, e2): 1 + 1/2; module b: A row e1, B row -e1:
+    # 1 (signs do not count) -> (1.5 + 1) / 3 rows
+    r = 2 ** -0.5
+    A = {"a": torch.tensor([[1.0, 0, 0], [0, r, r]]), "b": torch.tensor([[1.0, 0]])}
+    B = {"a": torch.tensor([[1.0, 0, 0], [0, 1.0, 0]]), "b": torch.tensor([[-1.0, 0]])}
+    assert shared_span(A, B) == pytest.approx(2.5 / 3)
+    assert shared_span(A, A) == pytest.approx(1.0) and shared_span({"a": torch.zeros(0, 3)}, B) == 0.0
 
 
 def _completion_grads(R: int = 6, seed: int = 0):

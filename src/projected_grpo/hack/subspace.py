@@ -11,6 +11,7 @@ projection's one-sided gate removes relu(V·g) and so needs +v to point hack-war
   centred          each prompt's completion gradients minus the prompt's mean (the span GRPO's gradient is in)
   capture          per row ‖relu(V x)‖² and ‖x‖², pooled over modules: the one-sided gate's own measure
   along            per row Σ_m Σ_k v_mk · x_m: the direction monitor's raw score of a gradient
+  shared_span      Σ_m ‖A_m B_mᵀ‖² / Σ_m K_m: how much of B's span A's rows lie in, pooled over modules
 Deliberately not here: the gradients (knob_grads.py), the controls (controls.py), storage (direction.py).
 """
 
@@ -129,3 +130,13 @@ def along(X: Mapping[str, Tensor], V: Mapping[str, Tensor]) -> Tensor:
         if m in V:
             total += (x.double() @ V[m].double().T).sum(1)
     return total
+
+
+def shared_span(A: Mapping[str, Tensor], B: Mapping[str, Tensor]) -> float:
+    """Σ_m ‖A_m B_mᵀ‖²_F / Σ_m K_m for orthonormal rows A[m] (K_m, R_m) and B[m] (J_m, R_m) over A's modules:
+    the mean over A's rows of the share of each row inside span(B) (1: A's span within B's; about J/R for a
+    random A). Signs do not count. 0 when A has no rows."""
+    rows = sum(a.shape[0] for a in A.values())
+    if rows == 0:
+        return 0.0
+    return sum(float((a.double() @ B[m].double().T).square().sum()) for m, a in A.items() if m in B) / rows

@@ -11,6 +11,9 @@ For the configured model and environment, at the base model (knobs zero), with t
             over held-out prompts);
   probe     the probe monitor built as a run builds it (hack/monitors.py), on the environment's probe
             problems (none of them a pair's prompt): its held-out AUC and accuracy.
+Beside each control: the share of the held-out pairs' centred completion gradients its span holds (the
+energy control's match, carried to held-out prompts) and how much of the real V's span it shares
+(subspace.shared_span: an energy control near 1 is the real V rotated, not another direction).
 Prints one table and writes it with every number to `--out` (separation.md, separation.json). Deterministic
 given the seed (run.seed: the probe's split and the bootstrap; the controls use direction.CHECK_SEED).
 docs/findings.md section 8 runs it on SmolLM2-135M-Instruct.
@@ -31,7 +34,7 @@ from projected_grpo.errors import UserError
 from projected_grpo.hack import check, monitors, pairs
 from projected_grpo.hack import resolve as hack_resolve
 from projected_grpo.hack.direction import Extraction, extract
-from projected_grpo.hack.subspace import along
+from projected_grpo.hack.subspace import along, shared_span
 from projected_grpo.run import setup
 
 JSON_FILE, MD_FILE = "separation.json", "separation.md"
@@ -92,15 +95,15 @@ def table(result: dict) -> str:
            f"{chk['n_pairs']} held out from {chk['n_prompts']} prompts ({order['n_completions']} distinct "
            f"held-out completions); k={s['k']}, knob {s['knob']}, seed {s['seed']}", "",
            "| V | separation [95% t] | real − V, Holm p | within-prompt AUC [95% t] | real − V, Holm p | "
-           "pooled AUC [95% boot.] | bal. acc. | held-out energy |",
-           "|---|---|---|---|---|---|---|---|"]
+           "pooled AUC [95% boot.] | bal. acc. | held-out energy | span shared with real V |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for name in ["real", *[c for c in check.CHECKED if c in chk["scores"]]]:
         a = order["auc"][name]
         cells = [name, _iv(chk["scores"][name]), _vs(chk["vs"].get(name)), _iv(a["within"]),
                  _vs(order["vs"].get(name)), _iv(a["pooled"]), f"{a['bacc']:.3f}",
-                 f"{energy[name]:.3f}" if name in energy else ""]
+                 f"{energy[name]:.3f}" if name in energy else "", f"{result['shared_span'][name]:.3f}"]
         out.append("| " + " | ".join(cells) + " |")
-    out += [f"| {c} | not built: {why} | | | | | | |" for c, why in chk.get("unavailable", {}).items()]
+    out += [f"| {c} | not built: {why} | | | | | | | |" for c, why in chk.get("unavailable", {}).items()]
     auc = _iv([probe["heldout_auc"], *probe["heldout_auc_interval"]])
     out += ["", f"probe monitor (layer {probe['layer']}): held-out AUC {auc} (95% boot. over "
             f"{probe['prompts_heldout']} held-out prompts), accuracy {probe['heldout_accuracy']:.3f} at its "
@@ -150,12 +153,14 @@ def main(argv: list[str]) -> int:
     order = check.ordering(scores, labels, groups, cfg.run.seed, opts.n_boot)
     wall["total"] = time.perf_counter() - t0
     st = ext.direction.stats
+    every_v = {"real": ext.real, **ext.controls}
     model_name = cfg.model.path or cfg.model.source
     env_name = f"{cfg.env.name} ({cfg.env.problems}, modes {','.join(cfg.env.modes) or 'default'})"
     result = {"setup": {"model": model_name, "env": env_name, "n_pairs": st["n_pairs"],
                         "n_fit": st["n_train"], "k": settings.k, "knob": cfg.model.knob, "seed": cfg.run.seed,
                         "settings": dataclasses.asdict(settings), "argv": list(argv)},
               "check": st["check"], "direction": order, "probe": probe,
+              "shared_span": {n: shared_span(V, ext.real) for n, V in every_v.items()},
               "scores": {n: x.tolist() for n, x in scores.items()}, "labels": labels.tolist(),
               "groups": groups, "wall_s": wall}
     text = table(result)
