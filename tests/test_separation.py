@@ -71,6 +71,8 @@ def test_refuses_a_control_flag_and_no_heldout_prompt(capsys):
     assert main(["separation", "--preset", "smoke", "--env.max-problems", "6",
                  "--proj.heldout-frac", "0"]) == 2
     assert "holds no prompt out" in capsys.readouterr().err
+    assert main(["separation", "--preset", "smoke", "--chunk-tokens", "0"]) == 2
+    assert "--chunk-tokens 0" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

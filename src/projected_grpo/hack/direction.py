@@ -111,11 +111,14 @@ def _pair_lists(fit: list[Pair], seed: int) -> tuple[dict[str, list[Pair]], dict
     return out, unavailable
 
 
-def _grads(model, knobs, tokenizer, lists: dict[str, list[Pair]], settings: ExtractSettings):
+def _grads(model, knobs, tokenizer, lists: dict[str, list[Pair]], settings: ExtractSettings,
+           chunk_tokens: int | None = None):
     """Knob gradients of every list's pairs from ONE pair_grads call (repeated completions computed once):
-    name -> (g_hack, g_clean) with module -> (P_list, R)."""
+    name -> (g_hack, g_clean) with module -> (P_list, R). chunk_tokens: pair_grads's (None: its default)."""
     flat = [p for ps in lists.values() for p in ps]
-    g_hack, g_clean = pair_grads(model, knobs, tokenizer, flat, settings.nll_norm, settings.nll_const or 1.0)
+    chunk = {} if chunk_tokens is None else {"chunk_tokens": chunk_tokens}
+    g_hack, g_clean = pair_grads(model, knobs, tokenizer, flat, settings.nll_norm, settings.nll_const or 1.0,
+                                 **chunk)
     out, at = {}, 0
     for name, ps in lists.items():
         out[name] = ({m: g[at:at + len(ps)] for m, g in g_hack.items()},
@@ -163,8 +166,11 @@ def extract_direction(model, knobs, tokenizer, pairs: Sequence[Pair], settings: 
     return extract(model, knobs, tokenizer, pairs, settings).direction
 
 
-def extract(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSettings) -> Extraction:
-    """extract_direction, keeping what it computed on the way (Extraction)."""
+def extract(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSettings,
+            chunk_tokens: int | None = None) -> Extraction:
+    """extract_direction, keeping what it computed on the way (Extraction). chunk_tokens bounds the padded
+    tokens of one forward and backward (knob_grads.pair_grads; None: its default): memory, not the result
+    (beyond float rounding of other batch shapes)."""
     fit, held = split_heldout(list(pairs), settings.heldout_frac)
     lists, unavailable = _pair_lists(fit, CHECK_SEED)
     control, seed = settings.control, settings.seed
@@ -173,7 +179,7 @@ def extract(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSet
     if control in unavailable:  # before the (slow) gradients
         raise UserError(f"proj.control={control!r} cannot be built from these pairs: {unavailable[control]}")
     every_list = {"fit": fit, "held": held, **lists}
-    G = _grads(model, knobs, tokenizer, {n: ps for n, ps in every_list.items() if ps}, settings)
+    G = _grads(model, knobs, tokenizer, {n: ps for n, ps in every_list.items() if ps}, settings, chunk_tokens)
     V, S, stats = directions_from_grads(*G["fit"], settings.k)
     real = V
     groups = completions_by_prompt(fit)
