@@ -132,7 +132,8 @@ def test_smollm2_small_slice_end_to_end(smollm2_dir, tmp_path, monkeypatch, caps
     out = tmp_path / "tier0"
     assert main(["separation", "--preset", "smollm2-cpu", "--model", str(smollm2_dir), "--env.name", "maths",
                  "--env.modes", "contains", "--env.max-problems", "8", "--proj.pairs-per-problem", "3",
-                 "--monitor.probe-problems", "4", "--n-boot", "200", "--out", str(out)]) == 0
+                 "--monitor.probe-problems", "4", "--n-boot", "200", "--chunk-tokens", "1024",  # 5 GB, not 12
+                 "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     result = json.loads((out / separation.JSON_FILE).read_text())
     _check_result(result, printed)
