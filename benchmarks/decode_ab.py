@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from projected_grpo.sampling.decode_step import hf_step, lean_step
 from projected_grpo.sampling.generate import generate
-from projected_grpo.sampling.kv_cache import KV_CACHES
+from projected_grpo.sampling.kv_cache import KV_CACHES, cache_of, with_cache
 from projected_grpo.sampling.pack import left_pad, position_ids_from_mask
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 3, [5, 6, 7, 8, 9] * 4]  # 30 and 20 tokens: left padding
@@ -44,8 +44,8 @@ def _step_ms(model, lean: bool, samples: int, new: int) -> tuple[float, torch.Te
     pos = position_ids_from_mask(prompt_mask)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True,
-                    past_key_values=KV_CACHES["preallocated"](model, mask.shape[1]), logits_to_keep=1)
-        past, logits, pos, n = out.past_key_values, out.logits[:, -1], pos[:, -1:], ids.shape[1]
+                    **with_cache(model, KV_CACHES["preallocated"](model, mask.shape[1])), logits_to_keep=1)
+        past, logits, pos, n = cache_of(out), out.logits[:, -1], pos[:, -1:], ids.shape[1]
         step = lean_step(model, past, mask) if lean else hf_step(model, past, mask, {"logits_to_keep": 1})
         if step is None:
             sys.exit("this model is not on decode_step's allow-list: nothing to compare")

@@ -21,7 +21,7 @@ from projected_grpo.organism.build import build_tokenizer, smoke_model_and_token
 from projected_grpo.organism.warmup import builtin_corpus
 from projected_grpo.sampling.decode_step import decode_step, hf_step, lean_step, why_not_lean
 from projected_grpo.sampling.generate import generate
-from projected_grpo.sampling.kv_cache import KV_CACHES
+from projected_grpo.sampling.kv_cache import KV_CACHES, cache_of, with_cache
 from projected_grpo.sampling.pack import left_pad, position_ids_from_mask
 
 V = 96
@@ -92,8 +92,8 @@ def _prefilled(model, prompts, new_tokens=6, kv_cache="preallocated"):
     mask = torch.cat([prompt_mask, torch.ones((len(prompts), new_tokens), dtype=torch.long)], 1)
     pos = position_ids_from_mask(prompt_mask)
     out = model(input_ids=ids, attention_mask=prompt_mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                past_key_values=KV_CACHES[kv_cache](model, mask.shape[1]))
-    return out.past_key_values, mask, out.logits[:, -1], pos[:, -1:]
+                **with_cache(model, KV_CACHES[kv_cache](model, mask.shape[1])))
+    return cache_of(out), mask, out.logits[:, -1], pos[:, -1:]
 
 
 # --- bit for bit ---------------------------------------------------------------------------------------

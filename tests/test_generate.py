@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from projected_grpo.sampling.generate import Rollout, generate, step_seed
+from projected_grpo.sampling.kv_cache import cache_of, with_cache
 from projected_grpo.sampling.pack import (
     SeqBatch,
     encode_completion,
@@ -219,9 +220,9 @@ def generate_before(model, prompt_ids, n_samples, *, max_new_tokens, temperature
     done = torch.zeros(N, dtype=torch.bool)
     cache, cur = None, ids
     for t in range(max_new_tokens):
-        out = model(input_ids=cur, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                    use_cache=True, **keep)
-        cache = out.past_key_values
+        out = model(input_ids=cur, attention_mask=mask, position_ids=pos, use_cache=True,
+                    **with_cache(model, cache), **keep)
+        cache = cache_of(out)
         tok, lp = pick(out.logits[:, -1].float(), temperature, top_p, gen)
         tok = tok.masked_fill(done, pad_id)
         toks[:, t], logps[:, t] = tok, lp

@@ -39,13 +39,14 @@ def _checkpointed_forward(layer: nn.Module, *args, **kwargs):
     forward = functools.partial(type(layer).forward, layer)  # the class's own forward
     if not torch.is_grad_enabled():  # sampling, reference forwards: nothing to keep for a backward
         return forward(*args, **kwargs)
-    cache = kwargs.get("past_key_values")
+    # the layer's cache keyword: `cache` from transformers 5.24 on, `past_key_values` before
+    name = "cache" if "cache" in kwargs else "past_key_values"
+    cache = kwargs.get(name)
     if (kwargs.get("use_cache") or cache is not None) and not getattr(cache, "replay_safe", False):
         # a replay would write the KV cache twice; transformers drops it the same way (and warns)
         warnings.warn("gradient checkpointing: a forward with grad runs without the KV cache (pass "
                       "use_cache=False to silence this)", stacklevel=3)
-        kwargs = {**kwargs, **{k: v for k, v in (("use_cache", False), ("past_key_values", None))
-                               if k in kwargs}}
+        kwargs = {**kwargs, **{k: v for k, v in (("use_cache", False), (name, None)) if k in kwargs}}
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from transformers.cache_utils import DynamicCache
 
-from projected_grpo.sampling.kv_cache import _GrowingLayer
+from projected_grpo.sampling.kv_cache import _GrowingLayer, cache_of, with_cache
 
 # tok (N,) long, pos (N, 1) its positions, n = the cache length after tok -> logits (N, V) of the next token
 Step = Callable[[Tensor, Tensor, int], Tensor]
@@ -230,9 +230,9 @@ def hf_step(model, past, mask: Tensor, keep: dict) -> Step:
     """The plain Hugging Face forward of one token (any model): the fallback and the reference."""
     def step(tok: Tensor, pos: Tensor, n: int) -> Tensor:
         nonlocal past
-        out = model(input_ids=tok[:, None], attention_mask=mask[:, :n], position_ids=pos,
-                    past_key_values=past, use_cache=True, **keep)
-        past = out.past_key_values
+        out = model(input_ids=tok[:, None], attention_mask=mask[:, :n], position_ids=pos, use_cache=True,
+                    **with_cache(model, past), **keep)
+        past = cache_of(out)
         return out.logits[:, -1]
 
     return step

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from projected_grpo.sampling.decode_step import decode_step
-from projected_grpo.sampling.kv_cache import KV_CACHES
+from projected_grpo.sampling.kv_cache import KV_CACHES, cache_of, with_cache
 from projected_grpo.sampling.pack import SeqBatch, left_pad, pack, position_ids_from_mask
 from projected_grpo.sampling.samplers import SAMPLERS, draw
 from projected_grpo.sampling.score import accepts_logits_to_keep
@@ -124,15 +124,15 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
         if share_prefill and n_samples > 1:  # the first of each prompt's rows, then its cache to all of them
             first = torch.arange(0, N, n_samples, device=device)
             out = model(input_ids=ids[first], attention_mask=mask[first, :P], position_ids=pos[first],
-                        past_key_values=cache, use_cache=True, **keep)
+                        use_cache=True, **with_cache(model, cache), **keep)
             to_rows = torch.arange(len(first), device=device).repeat_interleave(n_samples)  # (N,)
-            out.past_key_values.reorder_cache(to_rows)
+            cache_of(out).reorder_cache(to_rows)
             logits = out.logits[:, -1].index_select(0, to_rows)
         else:
-            out = model(input_ids=ids, attention_mask=mask[:, :P], position_ids=pos, past_key_values=cache,
-                        use_cache=True, **keep)
+            out = model(input_ids=ids, attention_mask=mask[:, :P], position_ids=pos, use_cache=True,
+                        **with_cache(model, cache), **keep)
             logits = out.logits[:, -1]
-        step = decode_step(model, out.past_key_values, mask, keep, lean)  # chosen once: lean or HF
+        step = decode_step(model, cache_of(out), mask, keep, lean)  # chosen once: lean or HF
         for t in range(max_new_tokens):
             tok, lp = draw(pick, logits.float(), temperature, top_p, gens)
             tok = tok.masked_fill(done, pad_id)  # finished rows keep decoding pad; their outputs are dropped

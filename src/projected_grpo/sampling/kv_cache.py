@@ -1,14 +1,35 @@
 """KV caches for `generate.generate`'s decode, by name (KV_CACHES): "preallocated" (the default) writes into
 buffers sized once for prompt + max_new_tokens; "dynamic" is transformers' own DynamicCache. Both give the
-same keys and values bit for bit. Not here: the decode loop (generate.py), the scoring caches (prefix.py).
+same keys and values bit for bit. `with_cache` / `cache_of` pass a cache to a model's forward and read it
+back under the name that transformers version uses. Not here: the decode loop (generate.py), the scoring
+caches (prefix.py).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 
 from torch import Tensor
 from transformers.cache_utils import DynamicCache, DynamicLayer
+
+
+@functools.cache
+def _cache_name(forward_type: type) -> str:
+    return "cache" if "cache" in inspect.signature(forward_type.forward).parameters else "past_key_values"
+
+
+def with_cache(model, cache) -> dict:
+    """The forward keyword that hands `model` its KV cache: {"cache": cache} on transformers >= 5.24 (whose
+    forwards take `cache` and warn on the old name, to be removed in 5.40), else {"past_key_values": cache}.
+    Read from the model class's forward signature (once per class)."""
+    return {_cache_name(type(model)): cache}
+
+
+def cache_of(out):
+    """The KV cache a forward returned: `out.cache` (transformers >= 5.24), else `out.past_key_values`."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
 
 
 class _GrowingLayer(DynamicLayer):
@@ -56,7 +77,7 @@ def _preallocated_cache(model, capacity: int) -> DynamicCache | None:
     return cache
 
 
-# name -> fn(model, capacity) -> past_key_values of the first decode step (None: the model builds its own)
+# name -> fn(model, capacity) -> the KV cache handed to the prefill (None: the model builds its own)
 KV_CACHES: dict[str, Callable[[object, int], DynamicCache | None]] = {
     "preallocated": _preallocated_cache, "dynamic": lambda model, capacity: None,
 }

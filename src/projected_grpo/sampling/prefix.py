@@ -27,6 +27,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from projected_grpo.knobs.checkpointing import recomputing
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
+from projected_grpo.sampling.kv_cache import with_cache
 from projected_grpo.sampling.pack import SeqBatch, left_pad, pack, position_ids_from_mask
 from projected_grpo.sampling.score import accepts_logits_to_keep, forward_logprobs
 
@@ -152,8 +153,8 @@ def prefix_logprobs(model, batch: PrefixBatch, *, temperature: float = 1.0, with
     keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
     with contextlib.nullcontext() if capture is None else capture.rows(batch.prefix_student):
         out = model(input_ids=batch.prefix_ids, attention_mask=batch.prefix_mask,
-                    position_ids=position_ids_from_mask(batch.prefix_mask), past_key_values=cache,
-                    use_cache=True, **keep)
+                    position_ids=position_ids_from_mask(batch.prefix_mask), use_cache=True,
+                    **with_cache(model, cache), **keep)
     parts = [out.logits[:, -1:].index_select(0, owner)]  # (N, 1, V): predicts completion token 0
     # 2. the completions but their last token (it predicts nothing) on the prompts' keys/values
     if T > 1:
@@ -163,7 +164,7 @@ def prefix_logprobs(model, batch: PrefixBatch, *, temperature: float = 1.0, with
         pos = start[:, None] + torch.arange(T - 1, device=owner.device)  # as position_ids_from_mask counts
         out = model(input_ids=batch.completion_ids[:, :T - 1],
                     attention_mask=torch.cat([batch.prefix_mask.index_select(0, owner), c_mask], 1),
-                    position_ids=pos, past_key_values=shared, use_cache=True)
+                    position_ids=pos, use_cache=True, **with_cache(model, shared))
         parts.append(out.logits)  # (N, T - 1, V)
     real = batch.completion_mask > 0
     zero = torch.zeros((), dtype=torch.float32, device=real.device)
