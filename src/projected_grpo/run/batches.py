@@ -143,7 +143,7 @@ def sample_groups(cfg: C.Config, model, tokenizer, env, problems: Sequence, prom
         got = sample_and_grade(model, tokenizer, env, [problems[b] for b in rows], prompt_ids, n,
                                max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                top_p=cfg.rollout.top_p, seed=seed, clock=clock,
-                               share_prefill=cfg.rollout.share_prefix)
+                               share_prefill=cfg.rollout.share_prefix, sample_dtype=cfg.rollout.sample_dtype)
         for j, b in enumerate(rows):
             out[b] = got[j * n:(j + 1) * n]
     return out
@@ -216,5 +216,6 @@ def eval_grades(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence,
     """Greedy samples of the deployed model (quarantine zeroed) on `problems`, graded."""
     with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
         got = sample_and_grade(model, tokenizer, env, problems, prompt_ids, 1,
-                               max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, seed=0)
+                               max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, seed=0,
+                               sample_dtype=cfg.rollout.sample_dtype)
     return [s.grade for s in got]

@@ -41,6 +41,7 @@ KNOWN_METRICS: frozenset[str] = frozenset(REQUIRED_METRICS) | frozenset({
     "groups/zero_std", "groups/skipped", "groups/resampled", "groups/resample_tries",
     "loss/kl", "kl/is_weight_mean", "clip/region_frac", "ratio/mean", "ratio/max",
     "teacher/mode", "teacher/frac", "teacher/ratio_mean", "teacher/is_weight_mean", "teacher/clip_frac",
+    "sample/kl", "sample/logratio_abs_mean",
     "proj/norm_removed", "proj/skipped", "proj/cin_module_mean", "proj/cout_module_mean",
     "proj/cin_update", "proj/fired_frac_update", "proj/purged_frac",
     "proj/v_overlap", "knob/norm", "knob/step", "knob/hack_step", "completion/max_len", "eval/accuracy",

@@ -32,6 +32,7 @@ from projected_grpo.objective.losses import (
     clip_surrogate,
     masked_mean,
 )
+from projected_grpo.objective.mismatch import sampler_mismatch
 from projected_grpo.objective.schedule import lr_at
 from projected_grpo.objective.teacher import TEACHER_MODES
 from projected_grpo.run import batches, checkpoint, dist, dpo, intervene, metrics, ppo, session, setup
@@ -86,9 +87,12 @@ def grpo_backward(cfg: C.Config, model, knobs, score, tok, batch: batches.Batch,
         split = cap if split is None else split + cap
         w = float(mask.sum()) / n_tok
         w_t = float((mask * ~mb_student[:, None]).sum()) / max(1, n_tok_t)
+        w_s = float((mask * mb_student[:, None]).sum()) / max(1, n_tok - n_tok_t)
         means = {**clip_stats, **kl_stats, "entropy/mean": masked_mean(entropy.detach(), mask)}
         parts = [(k, w * float(v)) for k, v in means.items()]
         parts += [(k, w_t * float(v)) for k, v in t_stats.items() if k != "teacher/mode"]
+        # the students' ratio pi_theta / mu is taken as 1 above; how far from 1 it is (bf16 sampling)
+        parts += [(k, w_s * float(v)) for k, v in sampler_mismatch(logp, logp_b, mb_student, mask).items()]
         parts += [("loss/policy", float(loss_pg.detach())),
                   ("loss/kl", cfg.loss.beta * float(loss_kl.detach()))]
         for k, v in parts:

@@ -3,7 +3,8 @@
 `generate` samples all prompts x n_samples in one batch with an attention mask, stops each row at EOS,
 and returns the log-probs it sampled under. `step_seed` derives sampling seeds from (base_seed, step, ...)
 stably across processes. The decode's KV caches are in kv_cache.py, its per-token step (a lean one for
-Llama/Qwen2, else the HF forward) in decode_step.py, its token samplers in samplers.py.
+Llama/Qwen2, else the HF forward) in decode_step.py, the bf16 forward over prepacked weights (prefill and
+step, sample_dtype=torch.bfloat16) in packed.py, its token samplers in samplers.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import Tensor
 from projected_grpo.sampling.decode_step import decode_step
 from projected_grpo.sampling.kv_cache import KV_CACHES, cache_of, with_cache
 from projected_grpo.sampling.pack import SeqBatch, left_pad, pack, position_ids_from_mask
+from projected_grpo.sampling.packed import PackedLM
 from projected_grpo.sampling.samplers import SAMPLERS, draw
 from projected_grpo.sampling.score import accepts_logits_to_keep
 
@@ -60,7 +62,8 @@ class Rollout:
 def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, seed: int | Sequence[int],
              eos_id: int | Sequence[int], pad_id: int, kv_cache: str = "preallocated",
-             share_prefill: bool = False, lean: bool = True) -> Rollout:
+             share_prefill: bool = False, lean: bool = True,
+             sample_dtype: torch.dtype | None = None) -> Rollout:
     """Sample n_samples completions for every prompt in ONE batched KV-cache decode.
 
     Prompts are left-padded with an attention mask and explicit position ids, so a row's logits do
@@ -80,6 +83,10 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     shape rounds differently in the last bits, so the sampled stream is not the unshared one bit for bit.
     lean: after the HF prefill, decode with decode_step.lean_step where the model is on its allow-list (the
     same logits bit for bit, less Python per token); False forces the HF forward per token (tests, A/B).
+    sample_dtype: None samples the model as it is (everything above); torch.bfloat16 samples a bf16 copy of
+    its weights (knobs merged as they are now) through packed.PackedLM, prefill included: about half the
+    memory traffic per token, the logits of the model cast to bf16 (not the model's own: the log-probs
+    returned are that bf16 model's); kv_cache and lean then do not apply.
     Returns a Rollout with N = len(prompt_ids) * n_samples rows.
     """
     if n_samples < 1 or max_new_tokens < 1:
@@ -111,7 +118,6 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
         raise ValueError(f"generate: {len(seeds)} seeds for {len(prompt_ids)} prompts; give one, or one per "
                          "prompt")
     gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-    keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
 
     # inference mode: ~9% less CPU than no_grad for the decode's many small ops (measured on the bench Llama);
     # the returned tensors are copied out of it below, so callers may use them with autograd
@@ -120,19 +126,11 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
         logps = torch.zeros((N, max_new_tokens), dtype=torch.float32, device=device)
         lens = torch.full((N,), max_new_tokens, dtype=torch.long, device=device)
         done = torch.zeros(N, dtype=torch.bool, device=device)
-        cache = KV_CACHES[kv_cache](model, P + max_new_tokens)
-        if share_prefill and n_samples > 1:  # the first of each prompt's rows, then its cache to all of them
-            first = torch.arange(0, N, n_samples, device=device)
-            out = model(input_ids=ids[first], attention_mask=mask[first, :P], position_ids=pos[first],
-                        use_cache=True, **with_cache(model, cache), **keep)
-            to_rows = torch.arange(len(first), device=device).repeat_interleave(n_samples)  # (N,)
-            cache_of(out).reorder_cache(to_rows)
-            logits = out.logits[:, -1].index_select(0, to_rows)
-        else:
-            out = model(input_ids=ids, attention_mask=mask[:, :P], position_ids=pos, use_cache=True,
-                        **with_cache(model, cache), **keep)
-            logits = out.logits[:, -1]
-        step = decode_step(model, cache_of(out), mask, keep, lean)  # chosen once: lean or HF
+        # share_prefill: the first of each prompt's rows, then its cache and logits to all of them
+        first = torch.arange(0, N, n_samples, device=device) if share_prefill and n_samples > 1 else None
+        start = _start_packed if sample_dtype is not None else _start_model
+        logits, step = start(model, ids, mask, pos, first, n_samples, kv_cache=kv_cache, lean=lean,
+                             dtype=sample_dtype)
         for t in range(max_new_tokens):
             tok, lp = draw(pick, logits.float(), temperature, top_p, gens)
             tok = tok.masked_fill(done, pad_id)  # finished rows keep decoding pad; their outputs are dropped
@@ -148,3 +146,36 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     toks, logps, lens = toks.cpu(), logps.cpu(), lens.cpu()
     return Rollout(prompt_ids=rows, completion_ids=[toks[i, :lens[i]].tolist() for i in range(N)],
                    logp=[logps[i, :lens[i]].clone() for i in range(N)], truncated=~done.cpu())
+
+
+# Each start: (model, ids (N, P) left-padded, mask (N, P + new) the decode's attention mask, pos (N, P), first
+# (M,) the rows to prefill with share_prefill (else None), n_samples, **options) -> (logits (N, V) of the
+# first new token, step(tok (N,), pos (N, 1), n) -> logits (N, V) of the next).
+
+def _start_model(model, ids, mask, pos, first, n_samples, *, kv_cache, lean, dtype):
+    """The model's own forward: the HF prefill into the kv_cache's cache, then decode_step's (lean or HF)."""
+    P = ids.shape[1]
+    cache = KV_CACHES[kv_cache](model, mask.shape[1])
+    keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+    rows = slice(None) if first is None else first
+    out = model(input_ids=ids[rows], attention_mask=mask[rows, :P], position_ids=pos[rows], use_cache=True,
+                **with_cache(model, cache), **keep)
+    logits = out.logits[:, -1]
+    if first is not None:
+        to_rows = torch.arange(len(first), device=ids.device).repeat_interleave(n_samples)  # (N,)
+        cache_of(out).reorder_cache(to_rows)
+        logits = logits.index_select(0, to_rows)
+    return logits, decode_step(model, cache_of(out), mask, keep, lean)  # chosen once: lean or HF
+
+
+def _start_packed(model, ids, mask, pos, first, n_samples, *, kv_cache, lean, dtype):
+    """packed.PackedLM in `dtype`: its own prefill and KV cache (kv_cache and lean do not apply)."""
+    P = ids.shape[1]
+    lm = PackedLM(model, rows=ids.shape[0], dtype=dtype)
+    rows = slice(None) if first is None else first
+    logits = lm.prefill(ids[rows], mask[rows, :P], pos[rows], capacity=mask.shape[1])
+    if first is not None:
+        to_rows = torch.arange(len(first), device=ids.device).repeat_interleave(n_samples)  # (N,)
+        lm.repeat_rows(to_rows)
+        logits = logits.index_select(0, to_rows)
+    return logits, lm.stepper(mask)

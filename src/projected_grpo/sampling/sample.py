@@ -11,8 +11,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from projected_grpo.envs.base import Graded
 from projected_grpo.sampling.generate import generate
+
+# rollout.sample_dtype -> generate's sample_dtype (None: the model's own weights)
+SAMPLE_DTYPES = {"model": None, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -39,18 +44,20 @@ class Sample:
 def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapping[str, list[int]],
                      n_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                      seed: int | Sequence[int], clock: dict[str, float] | None = None,
-                     share_prefill: bool = False) -> list[Sample]:
+                     share_prefill: bool = False, sample_dtype: str = "model") -> list[Sample]:
     """Sample `n_samples` completions of every problem in one batch, decode, grade with `env`.
 
     Returns B * n_samples Samples, prompt-major (problem b's samples are rows b * n .. b * n + n - 1).
     seed: one for the batch, or one per problem (generate).
     The caller chooses the model's view (knobs.merged() / ablate_quarantine()) and no_grad. `clock`, when
-    given, accumulates seconds under "generate" and "grade". share_prefill: generate's.
+    given, accumulates seconds under "generate" and "grade". share_prefill: generate's. sample_dtype:
+    rollout.sample_dtype ("model", or "bfloat16": generate's sample_dtype=torch.bfloat16).
     """
     t0 = time.perf_counter()
     ro = generate(model, [prompt_ids[p.id] for p in problems], n_samples, max_new_tokens=max_new_tokens,
                   temperature=temperature, top_p=top_p, seed=seed, eos_id=tokenizer.eos_token_id,
-                  pad_id=tokenizer.pad_token_id, share_prefill=share_prefill)
+                  pad_id=tokenizer.pad_token_id, share_prefill=share_prefill,
+                  sample_dtype=SAMPLE_DTYPES[sample_dtype])
     t1 = time.perf_counter()
     texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
     owners = [p for p in problems for _ in range(n_samples)]

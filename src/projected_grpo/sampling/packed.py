@@ -1,0 +1,218 @@
+"""Sampling from bfloat16 weights laid out once for the matrix units: a Llama-family forward (prefill and
+one-token decode) over bf16 copies of the policy's weights, knobs merged (rollout.sample_dtype="bfloat16").
+
+A decode step of a small model reads every weight once per token for a handful of rows, so its speed is the
+memory traffic of the weights (docs/benchmarks.md, roofline): bf16 halves it, and on a CPU with bf16 units
+oneDNN's bf16 kernels are also faster per row than fp32 ones. `PackedLM(model, rows)` copies the weights once
+per `generate` call: each projection in bf16, prepacked for oneDNN on CPU (`torch.ops.mkldnn`, the layout
+torch.compile's CPU freezing uses; a plain bf16 tensor elsewhere, e.g. CUDA), the q/k/v and gate/up
+projections of a layer concatenated into one matmul each. The ops are those of the Hugging Face forward of
+the same model cast to bf16 (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding by the model's own
+module, sdpa), so the logits are that bf16 model's up to bf16 rounding (tests/test_packed.py), and the same
+inputs give the same outputs on a fixed machine. What changes against the fp32 policy: the behaviour
+log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is no longer exactly 1; the training
+loop logs its size (sample/* in docs/metrics.md). The KV cache (per layer (N, Hkv, C, D), bf16) lives here.
+Not here: the decode loop and samplers (generate.py), the exact fp32 step (decode_step.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from projected_grpo.knobs.adapters import KnobLinear
+from projected_grpo.sampling.decode_step import _allow_list, _has_hooks, _rotate_half
+
+DTYPE = torch.bfloat16
+
+
+def why_not_packed(model) -> str | None:
+    """Why PackedLM cannot stand in for `model`'s forward (None: it can): the architectures, attention and
+    config fields the lean step accepts (decode_step.why_not_lean), without its KV-cache condition."""
+    cls = type(model)
+    if not cls.__module__.startswith("transformers.models."):
+        return f"{cls.__name__} (from {cls.__module__}) is not a transformers model class"
+    archs, stock = _allow_list()
+    arch = archs.get(cls)
+    if arch is None:
+        return f"{cls.__name__} is not one of {sorted(c.__name__ for c in archs)}"
+    config = model.config
+    if getattr(config, "_attn_implementation", None) not in stock:
+        return f"attention implementation {config._attn_implementation!r} is not one of {sorted(stock)}"
+    if not getattr(config, "is_causal", True) or any(
+            t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
+        return "not a causal model of full-attention layers"
+    body = model.model
+    layers = body.layers[:config.num_hidden_layers]
+    backbone, layer_cls, attn_cls, mlp_cls, norm_cls = arch
+    parts = [(body, backbone), (body.norm, norm_cls)] + [
+        pair for layer in layers for pair in ((layer, layer_cls), (layer.self_attn, attn_cls),
+                                               (layer.mlp, mlp_cls), (layer.input_layernorm, norm_cls),
+                                               (layer.post_attention_layernorm, norm_cls))]
+    wrong = [f"{type(m).__name__} (expected {c.__name__})" for m, c in parts if type(m) is not c]
+    if wrong:
+        return f"unexpected module classes: {wrong[:3]}"
+    if any(_has_hooks(m) for m in model.modules()):
+        return "a module has forward hooks, an accelerate hook, a per-instance forward or is compiled"
+    return None
+
+
+def packs_on_cpu(dtype: torch.dtype = DTYPE) -> bool:
+    """Whether this torch has oneDNN's prepacked linear (torch.ops.mkldnn, used by torch.compile's CPU
+    freezing) for `dtype`; without it the bf16 weights stay plain tensors (F.linear)."""
+    ops = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")
+            and (dtype != torch.bfloat16 or ops._is_mkldnn_bf16_supported()))
+
+
+class _Linear:
+    """x (..., d_in) -> x·Wᵀ + b in `dtype`, W (d_out, d_in) copied to `dtype` once (prepacked on CPU), with
+    oneDNN's fused epilogues where packed: `swish(x)` = silu(x·Wᵀ + b), `then(x, y, op)` = (x·Wᵀ + b) + y
+    (op "add") or * y ("mul"), rounded to `dtype` once (unpacked: the same ops one after the other)."""
+
+    def __init__(self, W: Tensor, b: Tensor | None, dtype: torch.dtype, rows: int):
+        W = W.detach().to(dtype).contiguous()
+        self.b = None if b is None else b.detach().to(dtype)
+        self.packed = W.device.type == "cpu" and packs_on_cpu(dtype)
+        # rows: the batch the layout is chosen for (any batch works; results do not depend on it)
+        self.W = torch.ops.mkldnn._reorder_linear_weight(W, rows) if self.packed else W
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.W, self.b, "none", [], "")
+        return F.linear(x, self.W, self.b)
+
+    def swish(self, x: Tensor) -> Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.W, self.b, "swish", [], "")
+        return F.silu(F.linear(x, self.W, self.b))
+
+    def then(self, x: Tensor, y: Tensor, op: str) -> Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, y, self.W, self.b, op)
+        out = F.linear(x, self.W, self.b)
+        return out + y if op == "add" else out * y
+
+
+def _weight(linear) -> tuple[Tensor, Tensor | None]:
+    """A projection's effective (W, b): a knob module's merged W_eff (its flags and values of now), else W."""
+    if isinstance(linear, KnobLinear):
+        return linear.weight_eff(), linear.base.bias
+    return linear.weight, linear.bias
+
+
+def _fused(linears, dtype: torch.dtype, rows: int) -> _Linear:
+    """One _Linear computing the concatenation of `linears`' outputs."""
+    Ws, bs = zip(*(_weight(m) for m in linears))
+    b = None if all(x is None for x in bs) else torch.cat(
+        [x if x is not None else W.new_zeros(W.shape[0]) for W, x in zip(Ws, bs)])
+    return _Linear(torch.cat(Ws), b, dtype, rows)
+
+
+def _scale(norm, dtype: torch.dtype) -> Tensor:
+    """An RMSNorm's scale in dtype (the bf16 model's)."""
+    return norm.weight.detach().to(dtype)
+
+
+class PackedLM:
+    """`model`'s forward in `dtype` over weights copied now (knob flags and values of this moment); rows: the
+    decode batch the layouts are chosen for. `prefill` fills a fresh KV cache, `stepper` decodes one token."""
+
+    def __init__(self, model, rows: int, dtype: torch.dtype = DTYPE):
+        reason = why_not_packed(model)
+        if reason is not None:
+            raise ValueError(f"sample_dtype={str(dtype).removeprefix('torch.')}: {reason}; sample with the "
+                             "model's own weights (rollout.sample_dtype='model') instead")
+        config, body = model.config, model.model
+        self.dtype = dtype
+        self.embed, self.rotary = body.embed_tokens.weight, body.rotary_emb
+        a0 = body.layers[0].self_attn
+        self.D, self.Hkv, self.H = a0.head_dim, config.num_key_value_heads, config.num_attention_heads
+        self.scale, self.E, self.eps = a0.scaling, config.hidden_size, body.norm.variance_epsilon
+        self.silu = getattr(config, "hidden_act", None) == "silu"  # fuses into the gate's matmul
+        self.layers = []
+        for layer in body.layers[:config.num_hidden_layers]:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append((
+                _scale(layer.input_layernorm, dtype), _fused((a.q_proj, a.k_proj, a.v_proj), dtype, rows),
+                _Linear(*_weight(a.o_proj), dtype, rows), _scale(layer.post_attention_layernorm, dtype),
+                _Linear(*_weight(m.gate_proj), dtype, rows), _Linear(*_weight(m.up_proj), dtype, rows),
+                _Linear(*_weight(m.down_proj), dtype, rows), m.act_fn))
+        self.norm = _scale(body.norm, dtype)
+        self.lm_head = _Linear(*_weight(model.lm_head), dtype, rows)
+        self.k: list[Tensor] = []  # per layer (N, C, Hkv, D): keys after the rotary embedding
+        self.v: list[Tensor] = []
+
+    def _forward(self, ids: Tensor, pos: Tensor, mask: Tensor | None, start: int, attend=None) -> Tensor:
+        """ids, pos (N, T) at cache columns start .. start + T - 1; mask (N, 1, T, start + T) bool or None
+        (every column visible) -> the last position's logits (N, V) in fp32. attend: the one-token attention
+        (q (N, H, 1, D), k, v (N, Hkv, n, D), mask) -> (N, 1, H * D) (T = 1 only), else sdpa over the mask."""
+        N, T = ids.shape
+        H, Hkv, D, E, eps, end = self.H, self.Hkv, self.D, self.E, self.eps, start + T
+        x = F.embedding(ids, self.embed).to(self.dtype)  # (N, T, E): the bf16 model's embedding rows
+        cos, sin = self.rotary(x, pos)  # (N, T, D): the model's own rotary module (any rope type)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (N, T, 1, D): the heads of q and k at once
+        for i, (w1, qkv, o, w2, gate, up, down, act) in enumerate(self.layers):
+            h = F.rms_norm(x, (E,), w1, eps)  # (N, T, E): HF's RMSNorm (fp32 inside, cast, then scaled)
+            out = qkv(h)  # (N, T, (H + 2 Hkv) D)
+            qk = out[..., :(H + Hkv) * D].view(N, T, H + Hkv, D)
+            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            self.k[i][:, start:end] = qk[:, :, H:]
+            self.v[i][:, start:end] = out[..., (H + Hkv) * D:].view(N, T, Hkv, D)
+            # (N, H, T, D) and (N, Hkv, end, D): strided views, as sdpa takes them
+            q, k, v = qk[:, :, :H].transpose(1, 2), self.k[i][:, :end].transpose(1, 2), \
+                self.v[i][:, :end].transpose(1, 2)
+            if attend is not None:
+                att = attend(q, k, v, mask)
+            else:
+                att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
+                                                     enable_gqa=H != Hkv).transpose(1, 2).reshape(N, T, H * D)
+            x = o.then(att, x, "add")  # x + o(att)
+            h = F.rms_norm(x, (E,), w2, eps)
+            a = gate.swish(h) if self.silu else act(gate(h))
+            x = down.then(up.then(h, a, "mul"), x, "add")  # x + down(act(gate(h)) * up(h))
+        x = F.rms_norm(x[:, -1:], (E,), self.norm, eps)
+        return self.lm_head(x)[:, -1].float()  # (N, V)
+
+    def prefill(self, ids: Tensor, mask: Tensor, pos: Tensor, capacity: int) -> Tensor:
+        """ids, mask (0 on left padding), pos: (M, P); a KV cache of `capacity` columns -> logits (M, V).
+
+        A padding position attends to itself as well as its causal, unpadded keys, so that no query row is
+        fully masked (an all-masked sdpa row is NaN, and its keys, though masked later, would multiply as
+        0 * NaN); real positions see exactly the causal, unpadded keys."""
+        M, P = ids.shape
+        self.k = [ids.new_empty((M, capacity, self.Hkv, self.D), dtype=self.dtype) for _ in self.layers]
+        self.v = [torch.empty_like(k) for k in self.k]
+        keep = mask.bool()
+        causal = torch.ones((P, P), dtype=torch.bool, device=ids.device).tril()
+        if bool(keep.all()):
+            m = None if P == 1 else causal[None, None]
+        else:
+            m = ((causal & keep[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids.device))[:, None]
+        return self._forward(ids, pos, m, 0)
+
+    def repeat_rows(self, to_rows: Tensor) -> None:
+        """Keep rows to_rows (N,) of the cache (share_prefill: each prompt's cache to its samples)."""
+        self.k = [k.index_select(0, to_rows) for k in self.k]
+        self.v = [v.index_select(0, to_rows) for v in self.v]
+
+    def stepper(self, mask: Tensor):
+        """The one-token step over the decode's attention mask (N, C) (0 on prompt padding):
+        step(tok (N,), pos (N, 1), n the cache length after tok) -> logits (N, V) in fp32."""
+        keep = mask.bool()[:, None, None, :]  # (N, 1, 1, C): at q_len 1 every cached column but padding
+        full = None if bool(keep.all()) else keep
+        g, Hkv, D = self.H // self.Hkv, self.Hkv, self.D
+
+        def attend(q: Tensor, k: Tensor, v: Tensor, m: Tensor | None) -> Tensor:
+            # a key/value head's g query heads as g query rows (HF's q_len-1 GQA packing): one sdpa call,
+            # without enable_gqa (~4x slower at this shape on CPU, measured) or repeated keys
+            N = q.shape[0]
+            out = F.scaled_dot_product_attention(q.reshape(N, Hkv, g, D), k, v, attn_mask=m, scale=self.scale)
+            return out.reshape(N, 1, Hkv * g * D)
+
+        def step(tok: Tensor, pos: Tensor, n: int) -> Tensor:
+            return self._forward(tok[:, None], pos, None if full is None else full[..., :n], n - 1, attend)
+
+        return step

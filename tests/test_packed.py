@@ -1,0 +1,159 @@
+"""packed.py: sampling from bf16 copies of the weights gives the model's log-probs within what bf16 allows (as
+close to the fp32 model as the Hugging Face model cast to bf16 is), for every allow-listed architecture,
+padding, shared prefill and merged knobs; it is seeded; its fallback without oneDNN's packing agrees; and
+anything off the allow-list is refused with the reason. The fp32 path's bit-equality with the HF forward is
+tests/test_decode_step.py's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from adapter_helpers import randomize
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from projected_grpo.knobs.adapters import wrap
+from projected_grpo.sampling import packed
+from projected_grpo.sampling.generate import generate
+from projected_grpo.sampling.pack import left_pad, pack, position_ids_from_mask
+from projected_grpo.sampling.packed import PackedLM, why_not_packed
+from projected_grpo.sampling.score import forward_logprobs
+
+V = 96
+GQA = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, max_position_embeddings=128)
+BUILDERS = {
+    "llama_sdpa": lambda: LlamaForCausalLM(LlamaConfig(**GQA, attn_implementation="sdpa")),
+    "llama_eager": lambda: LlamaForCausalLM(LlamaConfig(**GQA, attn_implementation="eager")),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**GQA, attn_implementation="sdpa")),  # biased q/k/v
+}
+PROMPTS = {"padded": [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]],
+           "unpadded": [[5, 6, 7], [8, 9, 10]]}
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    m = BUILDERS[name]().eval()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():  # sharp logits and non-trivial norms / biases, so every op counts
+        m.lm_head.weight.mul_(8.0)
+        for p in m.parameters():
+            if p.ndim == 1:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return m
+
+
+def _bf16_reference(model):
+    """The HF model cast to bf16, its rotary frequencies kept in fp32 (a `from_pretrained(dtype=bf16)` model
+    computes them in fp32; `.to(bf16)` alone would round them, which PackedLM does not)."""
+    ref = copy.deepcopy(model).to(torch.bfloat16)
+    ref.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.clone()
+    return ref
+
+
+def _teacher_forced(model, prompts, new, sampled=None):
+    """(fp32 HF log-probs, bf16-cast HF log-probs, PackedLM log-probs) of every prompt's next token and of
+    `new` fed tokens after it: each (N, new + 1, V). sampled: the model PackedLM copies (default `model`)."""
+    ids, pm = left_pad(prompts, max(map(len, prompts)), 0)
+    fed = torch.arange(20, 20 + new).repeat(len(prompts), 1)  # (N, new)
+    full = torch.cat([ids, fed], 1)
+    mask = torch.cat([pm, torch.ones_like(fed)], 1)
+    pos = position_ids_from_mask(mask)
+    P = ids.shape[1]
+    with torch.inference_mode():
+        refs = [m(input_ids=full, attention_mask=mask, position_ids=pos).logits[:, P - 1:].float()
+                for m in (model, _bf16_reference(model))]
+        lm = PackedLM(sampled or model, rows=len(prompts))
+        out = [lm.prefill(ids, pm, pos[:, :P], full.shape[1])]
+        step = lm.stepper(mask)
+        for t in range(new):
+            out.append(step(fed[:, t], pos[:, P + t:P + t + 1], P + t + 1))
+    return [torch.log_softmax(x, -1) for x in (*refs, torch.stack(out, 1))]
+
+
+@pytest.mark.parametrize("layout", sorted(PROMPTS))
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+def test_logprobs_within_bf16_of_the_model(name, layout):
+    fp32, hf_bf16, ours = _teacher_forced(_model(name), PROMPTS[layout], new=5)
+    real = torch.isfinite(fp32)
+    err_hf = (hf_bf16 - fp32)[real].abs().max()
+    err = (ours - fp32)[real].abs().max()
+    # bf16 keeps 8 significant bits: HF's own bf16 cast is off by err_hf; ours rounds differently (fused
+    # projections and epilogues) but no worse than twice that, and never more than 0.1 nats
+    assert err <= 2 * err_hf + 1e-3 and err < 0.1, (float(err), float(err_hf))
+    assert err > 0  # it is bf16: the check above could not pass on fp32 by accident
+
+
+def test_generate_bf16_is_seeded_and_scores_like_the_model():
+    model = _model("llama_sdpa")
+    kw = dict(max_new_tokens=8, seed=[3, 4, 5], eos_id=[], pad_id=0, sample_dtype=torch.bfloat16)
+    a = generate(model, PROMPTS["padded"], 2, **kw)
+    b = generate(model, PROMPTS["padded"], 2, **kw)
+    assert a.completion_ids == b.completion_ids and all(torch.equal(x, y) for x, y in zip(a.logp, b.logp))
+    # the behaviour log-probs are the bf16 model's: within bf16 of the fp32 model's on the same tokens
+    with torch.no_grad():
+        logp, _ = forward_logprobs(model, pack(a.prompt_ids, a.completion_ids, 0))
+    mu = torch.stack(a.logp)
+    assert (mu - logp).abs().max() < 0.1
+    assert not torch.equal(mu, logp)
+
+
+def test_greedy_bf16_picks_the_models_tokens():
+    model = _model("qwen2")
+    kw = dict(max_new_tokens=8, temperature=0.0, seed=0, eos_id=[], pad_id=0)
+    assert generate(model, PROMPTS["padded"], 1, sample_dtype=torch.bfloat16, **kw).completion_ids == \
+        generate(model, PROMPTS["padded"], 1, **kw).completion_ids
+
+
+def test_shared_prefill_samples_the_same_distribution():
+    model = _model("llama_sdpa")
+    kw = dict(max_new_tokens=6, seed=[3, 4, 5], eos_id=[], pad_id=0, sample_dtype=torch.bfloat16)
+    shared = generate(model, PROMPTS["padded"], 3, share_prefill=True, **kw)
+    plain = generate(model, PROMPTS["padded"], 3, share_prefill=False, **kw)
+    with torch.no_grad():
+        for ro in (shared, plain):
+            logp, _ = forward_logprobs(model, pack(ro.prompt_ids, ro.completion_ids, 0))
+            assert (torch.stack(ro.logp) - logp).abs().max() < 0.1
+
+
+def test_merged_knobs_are_sampled():
+    model, plain = _model("llama_sdpa"), _model("llama_sdpa")
+    knobs = wrap(model, "svd")
+    randomize(knobs, scale=0.3, seed=1)
+    with torch.no_grad():  # `plain`: the same model with W_eff written into its weights
+        for name, m in knobs.modules.items():
+            plain.get_submodule(name).weight.copy_(m.weight_eff())
+        base, _, _ = _teacher_forced(_model("llama_sdpa"), PROMPTS["padded"], new=3)
+        with knobs.merged():
+            fp32, hf_bf16, ours = _teacher_forced(plain, PROMPTS["padded"], new=3, sampled=model)
+    assert (ours - fp32).abs().max() <= 2 * (hf_bf16 - fp32).abs().max() + 1e-3
+    assert (base - fp32).abs().max() > 0.1  # the knobs moved the model: what was sampled is the knobbed one
+
+
+def test_unpacked_fallback_agrees(monkeypatch):
+    """Without oneDNN's packing (other devices, older torch) the same ops run as plain bf16 F.linear."""
+    model = _model("llama_sdpa")
+    fp32, _, packed_lp = _teacher_forced(model, PROMPTS["padded"], new=3)
+    monkeypatch.setattr(packed, "packs_on_cpu", lambda dtype=torch.bfloat16: False)
+    _, _, plain_lp = _teacher_forced(model, PROMPTS["padded"], new=3)
+    assert not PackedLM(model, rows=1).lm_head.packed
+    assert (plain_lp - packed_lp).abs().max() < 0.1 and (plain_lp - fp32).abs().max() < 0.1
+
+
+def test_off_the_allow_list_is_refused():
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    assert "GPT2LMHeadModel" in why_not_packed(gpt2)
+    with pytest.raises(ValueError, match="sample_dtype=bfloat16: GPT2LMHeadModel"):
+        generate(gpt2, [[1, 2]], 1, max_new_tokens=2, seed=0, eos_id=[], pad_id=0,
+                 sample_dtype=torch.bfloat16)
+    model = _model("llama_sdpa")
+    model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
+    assert "hooks" in why_not_packed(model)
