@@ -13,7 +13,9 @@ bf16/fp16 W: an element of ΔW under half an ulp of W rounds away in W_eff. The 
 lost the same updates (rounding y + out): on a 256×256 bf16 layer both realise the same share of a
 relative update ε (benchmarks/bf16_merge.py); only an fp32 W_eff and matmul would keep it, at twice
 the weight memory and fp32 matmul speed, so it is not done. Memory: one cached W_eff per module with
-non-zero knobs (`Knobs.release()` drops them). Not here: the per-source split (split.py), projection.
+non-zero knobs (`Knobs.release()` drops them), except a low-rank module (`KnobLinear.unmerged`), which
+trains as y = x·Wᵀ + its branch, holds no W_eff (sampling merges it within `merged()`) and is the same up
+to fp32 rounding, the base model exactly at zero knobs. Not here: the per-source split (split.py), projection.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def _wide(W: torch.Tensor) -> torch.Tensor:
 class KnobLinear(nn.Module, abc.ABC):
     """A frozen `nn.Linear` plus knob; subclasses define ΔW and the fused Function. Shapes: x (..., d_in)."""
 
-    kind = ""
-    fn: type[torch.autograd.Function]  # the fused autograd Function of this kind (fused.py)
+    kind = ""  # fn: its fused autograd Function (fused.py); branch (branch_value without grad): unmerged
+    fn: type[torch.autograd.Function]
+    branch: type[torch.autograd.Function]
 
     def __init__(self, base: nn.Linear, name: str, knob_shape: tuple[int, ...]):
         super().__init__()
@@ -62,13 +65,16 @@ class KnobLinear(nn.Module, abc.ABC):
         self.weight_hash = weight_hash(base.weight)
         self.delta = nn.Parameter(torch.zeros(knob_shape, device=base.weight.device))
         self.delta_hack = nn.Parameter(torch.zeros(knob_shape, device=base.weight.device))
-        self.knob_dim = self.delta.numel()
-        self.use_main, self.use_hack = True, True
+        self.knob_dim, self.use_main, self.use_hack = self.delta.numel(), True, True
         self.capture: split.Capture | None = None
         # W_eff cache: (use_hack, delta, delta_hack or None, W identity + version, W_eff) of the last merge
         self._eff: tuple | None = None
-        # set by Knobs.merged(): ((use_main, use_hack), W_eff) pinned for sampling (no cache check per token)
-        self._pinned: tuple[tuple[bool, bool], torch.Tensor] | None = None
+        # Knobs.merged(): ((use_main, use_hack), W_eff, None until first use if unmerged) pinned for sampling
+        self._pinned: tuple[tuple[bool, bool], torch.Tensor | None] | None = None
+        # a low-rank knob trains unmerged (fused.SVDBranch / LoRABranch) when its branch, R·(d_in + d_out)
+        # multiply-adds per token, costs at most 1/8 of the layer's d_in·d_out: no W_eff is held for training
+        d_out, d_in = base.weight.shape
+        self.unmerged = 8 * knob_shape[-1] * (d_in + d_out) <= d_in * d_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.use_main:  # zeroed(): exactly the base model
@@ -78,21 +84,37 @@ class KnobLinear(nn.Module, abc.ABC):
             if grad:
                 raise RuntimeError(f"{self.name}: forward with grad enabled inside Knobs.merged(), which is "
                                    "for no-grad sampling only. Train outside merged()")
-            return F.linear(x, self._pinned[1], self.base.bias)
-        W_eff = self.weight_eff()
-        if not (grad and self.delta.requires_grad):
-            return F.linear(x, W_eff, self.base.bias)  # what nn.Linear's forward does, with W_eff
-        record = None
-        if self.capture is not None and not checkpointing.recomputing():  # a replay registers nothing
+            return F.linear(x, self.merged_weight(), self.base.bias)
+        train, record = grad and self.delta.requires_grad, None
+        if train and self.capture is not None and not checkpointing.recomputing():  # a replay: no record
             record = self.capture.watch(self.name, tuple(x.shape[:-1]))
+        if self.unmerged:
+            coef = (self.delta + self.delta_hack if self.use_hack else self.delta).detach()
+            if not train:  # the same value without a graph (knob gradients off, or no grad at all)
+                return self.branch_value(x, coef, self.base.weight, self.base.bias, *self.frozen())[0]
+            return self.branch.apply(x, self.delta, coef, self.base.weight, self.base.bias, record,
+                                     *self.frozen())
+        W_eff = self.weight_eff()
+        if not train:
+            return F.linear(x, W_eff, self.base.bias)  # what nn.Linear's forward does, with W_eff
         return self.fn.apply(x, self.delta, W_eff, self.base.bias, record, *self.frozen())
+
+    def merged_weight(self, keep: bool = True) -> torch.Tensor:
+        """W_eff for sampling: the one Knobs.merged() pinned for the current flags (an unmerged module's is
+        merged on first use, pinned when `keep`), else weight_eff()."""
+        if self._pinned is None or self._pinned[0] != (self.use_main, self.use_hack):
+            return self.weight_eff()
+        if self._pinned[1] is None and keep:
+            self._pinned = (self._pinned[0], self.weight_eff())
+        return self.weight_eff() if self._pinned[1] is None else self._pinned[1]
 
     def weight_eff(self) -> torch.Tensor:
         """W_eff (d_out, d_in) = W + ΔW for the current knob values and flags, in W's dtype: W itself when
         nothing is added (zeroed(), or knobs exactly zero), else a merge cached until a value or flag changes.
 
         The cache compares the knob *values* (R-sized) with those of the last merge, not `_version`:
-        writes through `.data` (Knobs.values() views, Knobs.load, a resume) bypass the version counter."""
+        writes through `.data` (Knobs.values() views, Knobs.load, a resume) bypass the version counter.
+        An unmerged module never caches."""
         W = self.base.weight
         if not self.use_main:
             return W
@@ -105,13 +127,14 @@ class KnobLinear(nn.Module, abc.ABC):
         with torch.inference_mode(False), torch.no_grad():  # this order: inference_mode(False) enables grad
             coef = self.delta + self.delta_hack if self.use_hack else self.delta
             W_eff = W if not coef.any() else (_wide(W) + self.delta_weight(coef).to(_wide(W))).to(W.dtype)
-            self._eff = (self.use_hack, self.delta.detach().clone(),
-                         self.delta_hack.detach().clone() if self.use_hack else None, key_w, W_eff)
+            if not self.unmerged:
+                self._eff = (self.use_hack, self.delta.detach().clone(),
+                             self.delta_hack.detach().clone() if self.use_hack else None, key_w, W_eff)
         return W_eff
 
     @abc.abstractmethod
     def frozen(self) -> tuple[torch.Tensor, ...]:
-        """The frozen tensors its Function takes after `record` (svd: U, Vh; lora: A)."""
+        """The frozen tensors its Functions take after `record` (svd: U, Vh; lora: A)."""
 
     @abc.abstractmethod
     def delta_weight(self, coef: torch.Tensor) -> torch.Tensor:
@@ -122,7 +145,7 @@ class SVDKnob(KnobLinear):
     """delta = δS (R,), R = rank or min(d_out, d_in); U (d_out, R), Vh (R, d_in) buffers in W's dtype."""
 
     kind = "svd"
-    fn = fused.SVDLinear
+    fn, branch, branch_value = fused.SVDLinear, fused.SVDBranch, staticmethod(fused.svd_branch)
 
     def __init__(self, base, name, rank, cache_dir, seed):
         R_full = min(base.weight.shape)
@@ -147,7 +170,7 @@ class LoRAKnob(KnobLinear):
     """delta = B (d_out, r), R = d_out·r (row-major); A (r, d_in) frozen, rows orthonormal."""
 
     kind = "lora"
-    fn = fused.LoRALinear
+    fn, branch, branch_value = fused.LoRALinear, fused.LoRABranch, staticmethod(fused.lora_branch)
 
     def __init__(self, base, name, rank, cache_dir, seed):
         r = DEFAULT_LORA_RANK if rank is None else rank
@@ -165,8 +188,7 @@ class LoRAKnob(KnobLinear):
         return (self.A,)
 
     def delta_weight(self, coef):
-        A = _wide(self.A)
-        return coef.to(A) @ A  # B·A
+        return coef.to(_wide(self.A)) @ _wide(self.A)  # B·A
 
 
 KINDS: dict[str, type[KnobLinear]] = {"svd": SVDKnob, "lora": LoRAKnob}
@@ -295,7 +317,8 @@ class Knobs:
         The forward outside merged() uses the same W_eff, so outputs are the same inside and out; knob
         values changed inside are not seen; a nested zeroed() or ablate_quarantine() is honoured. W is
         never written; exit (also on an exception) unpins. A forward with grad enabled inside raises.
-        """
+        An unmerged module merges on its first use inside (packed.py's bf16 copies never hold every fp32
+        W_eff at once); its W_eff rounds differently from its unmerged forward, in the last bits."""
         if torch.is_grad_enabled():
             raise RuntimeError("Knobs.merged() is for no-grad inference only (the pinned weight takes no "
                                "knob update): enter it inside torch.no_grad() (or inference_mode)")
@@ -303,7 +326,7 @@ class Knobs:
             raise RuntimeError("Knobs.merged() is already active; nest it at most once")
         try:
             for m in self.modules.values():
-                m._pinned = ((m.use_main, m.use_hack), m.weight_eff())
+                m._pinned = ((m.use_main, m.use_hack), None if m.unmerged else m.weight_eff())
             yield self
         finally:
             for m in self.modules.values():

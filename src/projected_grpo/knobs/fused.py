@@ -10,6 +10,8 @@ The svd knob takes the weight-gradient form when it costs fewer multiply-adds (f
 W, b, U, Vh, A get no gradient (frozen). With a capture's `record` (a split.Watch), the backward hands
 it the knob gradient per sequence (N, R), or per source; being the backward of the original graph
 node, this works under gradient checkpointing too.
+A low-rank knob can also run unmerged (SVDBranch, LoRABranch): y = x·Wᵀ + b + its branch, so no W_eff is
+held for training, at the branch's cost per token (adapters.py chooses per module).
 Not here: merging and caching W_eff, flags, capture bookkeeping (adapters.py, split.py).
 """
 
@@ -43,7 +45,12 @@ def svd_knob_grad(x: Tensor, dy: Tensor, U: Tensor, Vh: Tensor, per_sequence: bo
 
 def _svd_grad_from_h(h: Tensor, dy: Tensor, U: Tensor, per_sequence: bool) -> Tensor:
     """svd_knob_grad from h = x·Vhᵀ (N, ..., R), the thin projection the forward may keep instead of x."""
-    per_tok = _wide(h) * _wide(dy @ U)  # (N, ..., R): each token's term
+    return _svd_grad_from_hg(h, dy @ U, per_sequence)
+
+
+def _svd_grad_from_hg(h: Tensor, g: Tensor, per_sequence: bool) -> Tensor:
+    """svd_knob_grad from both thin projections, h = x·Vhᵀ and g = dy·U (N, ..., R)."""
+    per_tok = _wide(h) * _wide(g)  # (N, ..., R): each token's term
     if per_sequence:
         return per_tok.reshape(per_tok.shape[0], -1, per_tok.shape[-1]).sum(1)  # (N, R)
     return _tokens(per_tok).sum(0)  # (R,)
@@ -189,3 +196,77 @@ class LoRALinear(torch.autograd.Function):
                                 functools.partial(grad, per_sequence=False), None)
         r = A.shape[0]
         return dx, None if d_delta is None else d_delta.reshape(-1, r), None, None, None, None
+
+
+# --- low-rank knobs, unmerged: the plain layer plus the knob's branch, no W_eff -----------------------
+
+
+def _knob_grad(ctx, per_seq_fn, total_fn) -> Tensor | None:
+    """The knob gradient (flat or knob-shaped, the knob's dtype) from per_seq_fn() -> (N, R) and total_fn()
+    -> summed over rows, handing the capture's watch its per-sequence rows (it sums them per source)."""
+    rec = ctx.record
+    if rec is None:
+        d = total_fn() if ctx.needs_input_grad[1] else None
+    else:
+        per_seq = per_seq_fn()  # (N, R)
+        rec(per_seq)
+        d = per_seq.sum(0)
+    return None if d is None else d.to(ctx.knob_dtype)
+
+
+def svd_branch(x: Tensor, coef: Tensor, W: Tensor, bias: Tensor | None, U: Tensor, Vh: Tensor
+               ) -> tuple[Tensor, Tensor]:
+    """(y = x·Wᵀ + b + ((x·Vhᵀ) ⊙ coef)·Uᵀ (..., d_out), h = x·Vhᵀ (..., R)): the svd layer, unmerged."""
+    h = x @ Vh.T
+    return F.linear(x, W, bias) + (h * coef.to(h.dtype)) @ U.T, h
+
+
+def lora_branch(x: Tensor, coef: Tensor, W: Tensor, bias: Tensor | None, A: Tensor) -> tuple[Tensor, Tensor]:
+    """(y = x·Wᵀ + b + (x·Aᵀ)·coefᵀ (..., d_out), h = x·Aᵀ (..., r)): the lora knob's layer, unmerged."""
+    h = x @ A.T
+    return F.linear(x, W, bias) + h @ coef.to(h.dtype).T, h
+
+
+class SVDBranch(torch.autograd.Function):
+    """apply(x (..., d_in), delta_S (R,), coef (R,), W (d_out, d_in), bias|None, record|None, U (d_out, R),
+    Vh (R, d_in)) -> y = x·Wᵀ + b + ((x·Vhᵀ) ⊙ coef)·Uᵀ, coef = δS (+ δS_hack): the merged forward's value
+    without its W_eff (adapters.py decides which a module uses). Keeps h = x·Vhᵀ (N, ..., R); the backward's
+    g = dy·U serves both ∂L/∂x = dy·W + (g ⊙ coef)·Vh and ∂L/∂δS = Σ_tokens h ⊙ g. Gradients for x and
+    delta_S only (coef's quarantine part is moved by the route arm, never by a gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, delta, coef, W, bias, record, U, Vh):
+        y, h = svd_branch(x, coef, W, bias, U, Vh)
+        ctx.save_for_backward(h, W, coef)
+        ctx.frozen, ctx.record, ctx.knob_dtype = (U, Vh), record, delta.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, W, coef = ctx.saved_tensors
+        U, Vh = ctx.frozen
+        g = dy @ U  # (..., R)
+        dx = dy @ W + (g * coef.to(g.dtype)) @ Vh if ctx.needs_input_grad[0] else None
+        d = _knob_grad(ctx, lambda: _svd_grad_from_hg(h, g, True), lambda: _svd_grad_from_hg(h, g, False))
+        return dx, d, None, None, None, None, None, None
+
+
+class LoRABranch(torch.autograd.Function):
+    """apply(x (..., d_in), B (d_out, r), coef (d_out, r), W (d_out, d_in), bias|None, record|None,
+    A (r, d_in)) -> y = x·Wᵀ + b + (x·Aᵀ)·coefᵀ, coef = B (+ B_hack), without W_eff (as SVDBranch). Keeps
+    h = x·Aᵀ; ∂L/∂x = dy·W + (dy·coef)·A, ∂L/∂B = Σ_tokens dyᵀ·h. Gradients for x and B only."""
+
+    @staticmethod
+    def forward(ctx, x, delta, coef, W, bias, record, A):
+        y, h = lora_branch(x, coef, W, bias, A)
+        ctx.save_for_backward(h, W, coef)
+        ctx.frozen, ctx.record, ctx.knob_dtype = (A,), record, delta.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, W, coef = ctx.saved_tensors
+        (A,) = ctx.frozen
+        dx = dy @ W + (dy @ coef.to(dy.dtype)) @ A if ctx.needs_input_grad[0] else None
+        d = _knob_grad(ctx, lambda: _lora_grad_from_h(h, dy, True), lambda: _lora_grad_from_h(h, dy, False))
+        return dx, None if d is None else d.reshape(coef.shape), None, None, None, None, None
