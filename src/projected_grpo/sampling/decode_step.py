@@ -64,6 +64,18 @@ def why_not_lean(model, past) -> str | None:
 
     Every check is against the model's classes and config fields the lean step would otherwise silently
     assume; anything not on the allow-list falls back to the HF call."""
+    reason = why_not_replicated(model)
+    if reason is None and not (isinstance(past, DynamicCache) and not past.offloading
+                               and len(past.layers) == model.config.num_hidden_layers
+                               and all(type(c) is _GrowingLayer and c.is_initialized for c in past.layers)):
+        return (f"KV cache {past!r} is not the filled preallocated cache (kv_cache='preallocated') of "
+                "full-attention layers")
+    return reason
+
+
+def why_not_replicated(model) -> str | None:
+    """Why a replica of `model`'s forward from its own modules (the lean step; packed.py's bf16 forward) would
+    not be its forward (None: it would): the allow-listed classes, attention and config, no hooks."""
     cls = type(model)
     if not cls.__module__.startswith("transformers.models."):  # checked first: spares the imports below
         return f"{cls.__name__} (from {cls.__module__}) is not a transformers model class"
@@ -104,10 +116,6 @@ def why_not_lean(model, past) -> str | None:
         return "global module forward hooks are registered"
     if any(layer.self_attn.training and layer.self_attn.attention_dropout != 0 for layer in layers):
         return "attention dropout is active (model in training mode)"
-    if not (isinstance(past, DynamicCache) and not past.offloading and len(past.layers) == len(layers)
-            and all(type(c) is _GrowingLayer and c.is_initialized for c in past.layers)):
-        return (f"KV cache {past!r} is not the filled preallocated cache (kv_cache='preallocated') of "
-                "full-attention layers")
     return None
 
 

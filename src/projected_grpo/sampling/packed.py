@@ -22,40 +22,15 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from projected_grpo.knobs.adapters import KnobLinear
-from projected_grpo.sampling.decode_step import _allow_list, _has_hooks, _rotate_half
+from projected_grpo.sampling.decode_step import _rotate_half, why_not_replicated
 
 DTYPE = torch.bfloat16
 
 
 def why_not_packed(model) -> str | None:
-    """Why PackedLM cannot stand in for `model`'s forward (None: it can): the architectures, attention and
-    config fields the lean step accepts (decode_step.why_not_lean), without its KV-cache condition."""
-    cls = type(model)
-    if not cls.__module__.startswith("transformers.models."):
-        return f"{cls.__name__} (from {cls.__module__}) is not a transformers model class"
-    archs, stock = _allow_list()
-    arch = archs.get(cls)
-    if arch is None:
-        return f"{cls.__name__} is not one of {sorted(c.__name__ for c in archs)}"
-    config = model.config
-    if getattr(config, "_attn_implementation", None) not in stock:
-        return f"attention implementation {config._attn_implementation!r} is not one of {sorted(stock)}"
-    if not getattr(config, "is_causal", True) or any(
-            t != "full_attention" for t in getattr(config, "layer_types", None) or ()):
-        return "not a causal model of full-attention layers"
-    body = model.model
-    layers = body.layers[:config.num_hidden_layers]
-    backbone, layer_cls, attn_cls, mlp_cls, norm_cls = arch
-    parts = [(body, backbone), (body.norm, norm_cls)] + [
-        pair for layer in layers for pair in ((layer, layer_cls), (layer.self_attn, attn_cls),
-                                               (layer.mlp, mlp_cls), (layer.input_layernorm, norm_cls),
-                                               (layer.post_attention_layernorm, norm_cls))]
-    wrong = [f"{type(m).__name__} (expected {c.__name__})" for m, c in parts if type(m) is not c]
-    if wrong:
-        return f"unexpected module classes: {wrong[:3]}"
-    if any(_has_hooks(m) for m in model.modules()):
-        return "a module has forward hooks, an accelerate hook, a per-instance forward or is compiled"
-    return None
+    """Why PackedLM cannot stand in for `model`'s forward (None: it can): decode_step's allow-list of
+    architectures, attention implementations and config fields (why_not_replicated)."""
+    return why_not_replicated(model)
 
 
 def packs_on_cpu(dtype: torch.dtype = DTYPE) -> bool:
@@ -97,9 +72,10 @@ class _Linear:
 
 
 def _weight(linear) -> tuple[Tensor, Tensor | None]:
-    """A projection's effective (W, b): a knob module's merged W_eff (its flags and values of now), else W."""
+    """A projection's effective (W, b): a knob module's merged W_eff (the one Knobs.merged() pinned, or its
+    flags and values of now), else W."""
     if isinstance(linear, KnobLinear):
-        return linear.weight_eff(), linear.base.bias
+        return linear.merged_weight(keep=False), linear.base.bias
     return linear.weight, linear.bias
 
 
