@@ -130,10 +130,10 @@ def run_ours(spec: dict) -> dict:
     ph = Phases() if spec.get("profile") else None
     if ph is not None:
         from projected_grpo.envs.base import RewardFnEnv
-        from projected_grpo.run import rollout
+        from projected_grpo.sampling import sample
 
         _common_phases(ph)
-        ph.wrap(rollout, "generate", "generate")
+        ph.wrap(sample, "generate", "generate")
         ph.wrap(RewardFnEnv, "grade", "reward")
         if hasattr(T, "scoring"):  # the loop's scoring forward (packed or prefix-shared), chosen at its setup
             make = T.scoring
@@ -154,6 +154,8 @@ def run_ours(spec: dict) -> dict:
     # rollout.share_prefix exists from issue 18 on; an older commit's src can be benchmarked and profiled too
     has_share = "share_prefix" in C.RolloutCfg.__dataclass_fields__
     share = {"share_prefix": spec["share_prefix"]} if has_share else {}
+    if spec.get("sample_dtype", "model") != "model":  # rollout.sample_dtype exists from issue 31 on
+        share["sample_dtype"] = spec["sample_dtype"]
     cfg = C.Config(
         model=C.ModelCfg(source="hf", path=spec["model_dir"], cache_dir=spec["cache_dir"], knob=spec["knob"],
                          rank=spec["rank"], grad_checkpointing=spec["ckpt"]),

@@ -269,6 +269,9 @@ def main() -> None:
                     "(model.grad_checkpointing: off by default in ours, on by default in TRL)")
     ap.add_argument("--share-prefix", type=int, default=1, help="ours: rollout.share_prefix (1: each prompt "
                     "run once per group; 0: every row recomputes its prompt)")
+    ap.add_argument("--sample-dtype", default="model", choices=["model", "bfloat16"],
+                    help="ours: rollout.sample_dtype (bfloat16: students sampled from bf16 weights, "
+                    "sampling/packed.py; TRL samples in fp32 either way)")
     ap.add_argument("--profile", action="store_true",
                     help="also one profiled run per trainer and cell: CPU time per step by phase")
     ap.add_argument("--losses", default="dr_grpo,grpo")
@@ -301,7 +304,7 @@ def main() -> None:
         base = {"model_dir": model_dir, "cache_dir": str(tmp / "cache"), "tmp": str(tmp),
                 "B": opt.prompts, "G": opt.group, "max_new": opt.max_new, "lr": opt.lr, "steps": opt.steps,
                 "seed": 0, "threads": opt.threads, "ckpt": bool(opt.ckpt),
-                "share_prefix": bool(opt.share_prefix)}
+                "share_prefix": bool(opt.share_prefix), "sample_dtype": opt.sample_dtype}
         cells = [(lo, float(b)) for lo in opt.losses.split(",") for b in opt.betas.split(",")]
         # each distinct trainer setting runs once per (rep, cell), shared by the pairings that use it
         sides: dict[str, dict] = {}

@@ -1,0 +1,221 @@
+"""This machine's roofline for one GRPO step of a real model, and ours as a fraction of it.
+
+Absolute tokens/s differ between machines; the fraction of what this machine allows is the figure. In one
+process, in rounds (the CPU is shared: each round's figures are taken beside its own probes):
+  probes     sustained matmul rate, fp32 and bf16 (F.linear at the training step's shapes, best of 5; bf16
+             only counts where torch reports bf16 units), and memory read bandwidth (sum over 512 MiB);
+  sampling   `generate` of one prompt x G_s samples x T tokens (EOS off, so every row is T tokens) with the
+             knobs merged, as the rollout step calls it (rollout.sample_dtype and share_prefix of the config);
+  training   the step's merge of W_eff and the train loop's forward + backward on those rows plus a teacher
+             row (prefix-shared scoring, the per-source capture, the clipped surrogate: run/train.py's body).
+Bounds (all work counted, nothing assumed free; attention included; each dtype at its own measured rate):
+  sampling   prefill: FLOPs / rate; each decode step: max(FLOPs / rate, bytes / bandwidth), its bytes every
+             weight in the sampling dtype and the KV cache read so far. The packing of the bf16 weights is
+             not in the bound (it is our overhead).
+  training   FLOPs / fp32 rate of: the forward, the input-gradient backward (frozen weights: no weight
+             gradient), each knob gradient in its cheaper form (thin or through the weight gradient), and
+             the W_eff merge (a full-rank SVD knob is merged once per step).
+The fractions are CPU-time ratios (process CPU time of this one-thread process, probes included), so a
+busy machine inflates probes and workloads alike; wall-clock fractions are printed beside them.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/roofline.py [--rounds 3] [--new 96] [--preset smollm2-cpu]
+
+Needs `projected-grpo get-model smollm2` (the preset's model). Last line:
+`RESULT sample_roofline=<x> train_roofline=<y>` (medians over rounds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from projected_grpo import presets
+from projected_grpo.objective.losses import AGGREGATIONS, Denominators, clip_surrogate
+from projected_grpo.objective.teacher import TEACHER_MODES
+from projected_grpo.run import setup
+from projected_grpo.sampling.generate import generate
+from projected_grpo.sampling.pack import encode_completion
+from projected_grpo.sampling.prefix import scoring
+from projected_grpo.sampling.sample import SAMPLE_DTYPES
+
+
+def _timed(fn, reps: int = 1):
+    """(best process CPU seconds, best wall seconds, the last call's value) of fn() over reps calls."""
+    best, out = (float("inf"), float("inf")), None
+    for _ in range(reps):
+        c, w = time.process_time(), time.perf_counter()
+        out = fn()
+        best = min(best, (time.process_time() - c, time.perf_counter() - w))
+    return (*best, out)
+
+
+def probe(rows: int, d_in: int, d_out: int) -> dict[str, float]:
+    """Sustained rates: matmul GFLOP/s per dtype (CPU and wall) and read bandwidth GB/s."""
+    out = {}
+    dtypes = [torch.float32] + ([torch.bfloat16] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else [])
+    for dt in dtypes:
+        x, w = torch.randn(rows, d_in).to(dt), torch.randn(d_out, d_in).to(dt)
+        flops = 10 * 2 * rows * d_in * d_out
+        c, wall, _ = _timed(lambda x=x, w=w: [F.linear(x, w) for _ in range(10)], reps=5)
+        out[f"{dt}"] = flops / c / 1e9
+        out[f"{dt} wall"] = flops / wall / 1e9
+    big = torch.ones(2**27)  # 512 MiB of fp32
+    c, wall, _ = _timed(lambda: big.sum(), reps=3)
+    out["bw"], out["bw wall"] = big.numel() * 4 / c / 1e9, big.numel() * 4 / wall / 1e9
+    return out
+
+
+def linear_shapes(model) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """([(d_out, d_in)] of every projection in the decoder layers, (V, E) of the lm_head)."""
+    body = [tuple(m.weight.shape) if hasattr(m, "weight") else tuple(m.base.weight.shape)
+            for name, m in model.model.layers.named_modules()
+            if name.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                           "down_proj")]
+    return body, tuple(model.lm_head.weight.shape)
+
+
+def sample_bound(model, P: int, N: int, T: int, rate: float, bw: float, nbytes: int) -> float:
+    """Seconds this machine needs at least to sample N rows x T tokens after one prompt of P tokens
+    (prefill shared), with weights of `nbytes` bytes per element, at `rate` GFLOP/s and `bw` GB/s."""
+    body, (V, E) = linear_shapes(model)
+    c = model.config
+    L, H, Hkv = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
+    D = E // H
+    per_tok = 2 * sum(o * i for o, i in body)
+    weight_bytes = nbytes * (sum(o * i for o, i in body) + V * E)
+    t = (P * per_tok + 2 * V * E + 2 * H * D * P * P * L) / (rate * 1e9)  # prefill: compute-bound
+    for j in range(1, T):  # T tokens need T - 1 decode steps (the first comes from the prefill)
+        n = P + j
+        flops = N * (per_tok + 2 * V * E + 4 * H * D * n * L)
+        moved = weight_bytes + N * 2 * L * Hkv * D * n * nbytes
+        t += max(flops / (rate * 1e9), moved / (bw * 1e9))
+    return t
+
+
+def train_bound(model, knobs, segments: list[tuple[int, int]], head_tokens: int, rate: float) -> float:
+    """Seconds the training step's merge + forward + backward need at least at `rate` GFLOP/s (fp32).
+
+    segments: the forward's rows as (first position, positions): a shared prompt row (0, P), a completion
+    on it (P, T - 1), a packed row (0, P + T - 1); head_tokens: completion tokens scored (lm_head rows)."""
+    body, (V, E) = linear_shapes(model)
+    c = model.config
+    L, H, D = c.num_hidden_layers, c.num_attention_heads, E // c.num_attention_heads
+    n = sum(k for _, k in segments)
+    attn = 4 * H * D * L * sum(k * (a + (k + 1) / 2) for a, k in segments)  # each position's keys so far
+    fwd = 2 * n * sum(o * i for o, i in body) + 2 * head_tokens * V * E + attn
+    bwd = fwd + attn  # input gradients: the matmuls transposed, attention's backward ~2x its forward
+    knob = merge = 0.0
+    for m in knobs.modules.values():
+        d_out, d_in = m.base.weight.shape
+        R = m.knob_dim if m.kind == "svd" else m.delta.shape[1]
+        thin = 2 * n * R * (d_in + d_out)
+        dw = 2 * n * d_in * d_out + 2 * 2 * R * d_out * d_in  # weight gradient, projected per source
+        knob += min(thin, dw) if m.kind == "svd" else thin
+        merge += 2 * d_out * R * d_in
+    return (fwd + bwd + knob + merge) / (rate * 1e9)
+
+
+def train_body(model, knobs, score, tok, prompt: list[int], comps: list[list[int]], student: torch.Tensor):
+    """run/train.py's micro-batch: pack, forward under the per-source capture, clipped surrogate with
+    dr_grpo aggregation, backward (advantages +-1 so every row has a gradient)."""
+    seqs = score.pack([prompt] * len(comps), comps, tok.pad_token_id, student)
+    mask = seqs.completion_mask
+    adv = torch.tensor([1.0, -1.0] * (len(comps) // 2) + [1.0] * (len(comps) % 2))
+    denoms = Denominators(n_seqs=len(comps), n_tokens=int(mask.sum()), const=float(mask.numel()))
+    with knobs.capture(student) as cap:
+        logp, _ = score.logprobs(model, seqs, temperature=1.0, with_entropy=True, capture=cap)
+        logp_old, weight, _ = TEACHER_MODES["imitation"](logp, torch.zeros_like(logp), student, mask, 2.0)
+        pg, _ = clip_surrogate(logp, logp_old, adv, mask, eps_low=0.2, eps_high=0.2)
+        loss, _ = AGGREGATIONS["dr_grpo"](weight * pg, mask, denoms)
+        loss.backward()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="smollm2-cpu")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new", type=int, default=0, help="new tokens per sample (0: the preset's)")
+    ap.add_argument("--sample-dtype", default="", help="override rollout.sample_dtype (model, bfloat16)")
+    opt = ap.parse_args()
+    argv = ["--preset", opt.preset, "--model", opt.model]
+    argv += ["--rollout.sample-dtype", opt.sample_dtype] if opt.sample_dtype else []
+    cfg, _ = presets.parse(argv, prog="roofline")
+    torch.set_num_threads(cfg.run.threads or torch.get_num_threads())
+    torch.manual_seed(0)
+    model, tok = setup.load_model(cfg)
+    knobs = setup.wrap_knobs(cfg, model)
+    with torch.no_grad():  # knobs away from zero, as after a step: W_eff is a real merge
+        for p in knobs.parameters():
+            p.normal_(0.0, 1e-3)
+    env = setup.make_env(cfg)
+    problem = env.problem_sets()["train"][0]
+    prompt = setup.prompt_table(env, tok, [problem])[problem.id][1]
+    teacher = encode_completion(tok, env.templates(problem, "hack")[0])
+    T, N = opt.new or cfg.rollout.max_new_tokens, cfg.rollout.G_s
+    dt = SAMPLE_DTYPES[cfg.rollout.sample_dtype]
+    sample_rate_key = str(dt or next(model.parameters()).dtype)
+    nbytes = (dt or next(model.parameters()).dtype).itemsize
+    score = scoring(model, cfg.rollout.share_prefix)
+    student = torch.tensor([True] * N + [False])
+    print(f"model {cfg.model.path}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters; "
+          f"prompt {len(prompt)} tokens, {N} samples x {T} new tokens (sampling in {sample_rate_key}), "
+          f"+1 teacher row of {len(teacher)} tokens; {torch.get_num_threads()} thread(s)")
+    rows = []
+    for r in range(opt.rounds):
+        pr = probe(512, model.config.hidden_size, model.config.intermediate_size)
+        rate = pr.get(sample_rate_key, pr["torch.float32"])
+
+        def sample(seed=r):
+            with torch.no_grad(), knobs.merged():
+                return generate(model, [prompt], N, max_new_tokens=T, seed=seed, eos_id=[],
+                                pad_id=tok.pad_token_id, share_prefill=cfg.rollout.share_prefix,
+                                sample_dtype=dt)
+
+        for m in knobs.modules.values():  # not timed here: the merge is the training side's (below)
+            m.weight_eff()
+        s_cpu, s_wall, ro = _timed(sample)
+        comps = ro.completion_ids + [teacher]
+        s_bound = sample_bound(model, len(prompt), N, T, rate, pr["bw"], nbytes)
+        s_bound_wall = sample_bound(model, len(prompt), N, T, pr.get(sample_rate_key + " wall", rate),
+                                    pr["bw wall"], nbytes)
+
+        def train(comps=comps):
+            with torch.no_grad():
+                for p in knobs.parameters():  # a knob update: the next forward merges W_eff afresh
+                    p.add_(1e-4)
+            train_body(model, knobs, score, tok, prompt, comps, student)
+
+        t_cpu, t_wall, _ = _timed(train)
+        P = len(prompt)
+        segments = ([(0, P), (0, P)] + [(P, len(c) - 1) for c in comps] if cfg.rollout.share_prefix
+                    else [(0, P + len(c) - 1) for c in comps])  # prefix rows: one per source
+        head = sum(len(c) for c in comps)
+        t_bound = train_bound(model, knobs, segments, head, pr["torch.float32"])
+        t_bound_wall = train_bound(model, knobs, segments, head, pr["torch.float32 wall"])
+        row = {"fp32": pr["torch.float32"], "bf16": pr.get("torch.bfloat16", 0.0), "bw": pr["bw"],
+               "tok_s": N * T / s_wall, "tok_s_cpu": N * T / s_cpu, "bound_tok_s": N * T / s_bound,
+               "sample": s_bound / s_cpu, "sample_wall": s_bound_wall / s_wall,
+               "train_s": t_cpu, "train_bound_s": t_bound, "train": t_bound / t_cpu,
+               "train_wall": t_bound_wall / t_wall}
+        rows.append(row)
+        print(f"round {r}: fp32 {row['fp32']:.0f} bf16 {row['bf16']:.0f} GFLOP/s, read {row['bw']:.1f} GB/s"
+              " | "
+              f"sampling {row['tok_s_cpu']:.0f} tok/s (cpu; wall {row['tok_s']:.0f}), bound "
+              f"{row['bound_tok_s']:.0f} -> {row['sample']:.2f} (wall {row['sample_wall']:.2f}) | training "
+              f"{t_cpu:.2f} s cpu ({t_wall:.2f} wall), bound {t_bound:.2f} s -> {row['train']:.2f} "
+              f"(wall {row['train_wall']:.2f})", flush=True)
+    env.close()
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    print(f"medians over {len(rows)} rounds: sampling {med['tok_s_cpu']:.0f} tok/s of a "
+          f"{med['bound_tok_s']:.0f} "
+          f"bound, training step {med['train_s']:.2f} s of a {med['train_bound_s']:.2f} s bound")
+    print(f"RESULT sample_roofline={med['sample']:.3f} train_roofline={med['train']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
