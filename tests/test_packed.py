@@ -157,3 +157,20 @@ def test_off_the_allow_list_is_refused():
     model = _model("llama_sdpa")
     model.model.layers[0].mlp.register_forward_hook(lambda *a: None)
     assert "hooks" in why_not_packed(model)
+
+
+def test_gradient_checkpointing_switch_is_no_hook():
+    """knobs.gradient_checkpointing() gives each decoder layer an instance forward that, without grad, runs
+    the class's: the lean step and the packed forward still apply (other instance forwards are refused)."""
+    model = _model("llama_sdpa")
+    knobs = wrap(model, "svd")
+    randomize(knobs, scale=0.3, seed=1)
+    kw = dict(max_new_tokens=6, seed=[3, 4, 5], eos_id=[], pad_id=0)
+    with torch.no_grad(), knobs.merged():
+        plain = [generate(model, PROMPTS["padded"], 2, sample_dtype=d, **kw) for d in (None, torch.bfloat16)]
+    knobs.gradient_checkpointing(True)
+    assert why_not_packed(model) is None
+    with torch.no_grad(), knobs.merged():
+        ckpt = [generate(model, PROMPTS["padded"], 2, sample_dtype=d, **kw) for d in (None, torch.bfloat16)]
+    for a, b in zip(plain, ckpt):
+        assert a.completion_ids == b.completion_ids and all(torch.equal(x, y) for x, y in zip(a.logp, b.logp))

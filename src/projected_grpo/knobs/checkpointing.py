@@ -69,3 +69,8 @@ def enable(model: nn.Module, on: bool = True) -> None:
             layer.forward = types.MethodType(_checkpointed_forward, layer)
         elif "forward" in vars(layer):
             del layer.forward
+
+
+def switched(module: nn.Module) -> bool:
+    """Whether module's instance `forward` is this switch (enable's), which without grad is its class's."""
+    return getattr(vars(module).get("forward"), "__func__", None) is _checkpointed_forward

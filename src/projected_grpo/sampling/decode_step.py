@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from transformers.cache_utils import DynamicCache
 
+from projected_grpo.knobs import checkpointing
 from projected_grpo.sampling.kv_cache import _GrowingLayer, cache_of, with_cache
 
 # tok (N,) long, pos (N, 1) its positions, n = the cache length after tok -> logits (N, V) of the next token
@@ -54,8 +55,10 @@ def _allow_list() -> tuple[dict[type, tuple[type, ...]], dict[str, tuple]]:
 
 def _has_hooks(module: nn.Module) -> bool:
     """A hook, an accelerate wrapper, a per-instance forward (e.g. kernels' kernelize) or Module.compile()
-    could change what calling it does."""
-    return bool(module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+    could change what calling it does. Our gradient checkpointing's switch does not: without grad it runs
+    the class's forward (knobs/checkpointing.py)."""
+    own = "forward" in module.__dict__ and not checkpointing.switched(module)
+    return bool(module._forward_hooks or module._forward_pre_hooks or own
                 or hasattr(module, "_hf_hook") or getattr(module, "_compiled_call_impl", None) is not None)
 
 
