@@ -1,10 +1,10 @@
 """Named presets (configs, not code paths) and every command's argv -> (Config, options).
 
 smoke: seconds on a CPU. demo: the embedded organism, calibrated (docs/findings.md). fast / full: the original
-study's Qwen3-4B settings (model from --model). smollm2-cpu / smollm2-gpu: SmolLM2-135M-Instruct
-(`--model smollm2` after `projected-grpo get-model smollm2`). `parse` reads a command line in two tyro
-passes: the command's options (a dataclass extending `Base`: --preset, --config, --model, ...), then
-every Config field as `--section.field VALUE` on top of the chosen preset.
+study's Qwen3-4B settings (model from --model). smollm2-cpu / smollm2-gpu / smollm2-math-cpu:
+SmolLM2-135M-Instruct (`--model smollm2` after `projected-grpo get-model smollm2`). `parse` reads a command
+line in two tyro passes: the command's options (a dataclass extending `Base`: --preset, --config, --model,
+...), then every Config field as `--section.field VALUE` on top of the chosen preset.
 """
 
 from __future__ import annotations
@@ -104,9 +104,26 @@ SMOLLM2_GPU = Config(
     run=RunCfg(steps=60, checkpoint_every=20, threads=0),
 )
 
+# SmolLM2-135M-Instruct trained honestly on the arithmetic curriculum (maths environment, strict verifier),
+# sized for a real experiment on a CPU: 4 prompts x a group of 8 per step, answers within 32 tokens, the
+# students sampled from bf16 weights (rollout.sample_dtype: sampling/packed.py; sample/kl logs the ratio
+# that leaves uncorrected), SVD knobs of rank 16 (low-rank: trained unmerged, no W_eff held; 3360 knob
+# values, so V_hack's per-pair gradients stay small: LoRA r16's are 2.5M per pair), held-out accuracy on
+# 50 level-3 problems every 10 steps. lr and length are a starting point, not calibrated. Step time,
+# memory and the roofline fraction: docs/benchmarks.md ("SmolLM2 maths preset").
+SMOLLM2_MATH_CPU = Config(
+    model=ModelCfg(source="hf", path="smollm2", knob="svd", rank=16),
+    env=EnvCfg(name="maths", problems="arithmetic", modes=("strict",), curriculum_steps=10, eval_size=50,
+               max_problems=200, warmup_levels=(1, 2), train_levels=(3,)),
+    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.0, max_new_tokens=32, sample_dtype="bfloat16"),
+    proj=ProjCfg(pairs_per_problem=1),
+    optim=OptimCfg(lr=3e-3, betas=(0.9, 0.99), warmup_steps=3),
+    run=RunCfg(steps=200, checkpoint_every=25, eval_every=10),
+)
+
 PRESETS: dict[str, Config] = {"smoke": SMOKE, "demo": DEMO, "demo-pool": DEMO_POOL, "fast": FAST,
                               "full": FULL, "smollm2-cpu": SMOLLM2_CPU, "smollm2-gpu": SMOLLM2_GPU,
-                              "math-demo": MATH_DEMO}
+                              "math-demo": MATH_DEMO, "smollm2-math-cpu": SMOLLM2_MATH_CPU}
 
 
 # --- argv: every command -------------------------------------------------------------------------------
@@ -118,8 +135,8 @@ class Base:
     it (every field is listed by `--help`)."""
 
     preset: str = "smoke"
-    """named preset to start from: smoke, demo, fast, full, smollm2-cpu, smollm2-gpu, math-demo
-    (presets.PRESETS)"""
+    """named preset to start from: smoke, demo, fast, full, smollm2-cpu, smollm2-gpu, smollm2-math-cpu,
+    math-demo (presets.PRESETS)"""
     config: str = ""
     """a config JSON file to start from instead of a preset (e.g. a run's config.json)"""
     model: str = ""
