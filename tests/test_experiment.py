@@ -319,3 +319,42 @@ def test_smoke_sweep_with_the_ppo_and_dpo_then_grpo_baselines(tmp_path, monkeypa
     capsys.readouterr()
     assert experiment.main(argv) == 0  # a rerun skips all three, the DPO pass included
     assert capsys.readouterr().err.count("skipped, summary.json") == 3
+
+
+# --- demo: the default arms and the summary it ends with -------------------------------------------------
+
+def test_demo_defaults_and_the_full_set():
+    opts = experiment.DemoOpts()
+    assert (opts.task, opts.arms, opts.seeds, opts.jobs) == ("code", "quick", 1, 2)
+    preset, sets = experiment.DEMO_TASKS["code"]
+    assert preset == "demo" and sets["quick"] == ("none", "erase", "random_V", "gt_reward")
+    assert sets["all"] == ("none", "erase", "route", "random_V", "shuffled_V", "within_V", "energy_V",
+                           "gt_reward") and set(sets["quick"]) <= set(sets["all"])
+    experiment.plan(presets.PRESETS[preset], sets["all"], [0], pathlib.Path("."))  # every arm is known
+
+
+def test_demo_prints_the_summary_of_its_runs(tmp_path, monkeypatch, capsys):
+    # sweep() stood in by hand-made finished runs in the directories the demo plans (training is tested in
+    # the slow tier): the demo then prints the summary, not the full verdicts
+    got = {}
+
+    def fake_sweep(base, arms, seeds, out, **kw):
+        got.update(arms=arms, seeds=seeds, command=kw["command"])
+        cfgs = {"erase": {"proj": {"arm": "erase"}},
+                "random_V": {"proj": {"arm": "erase", "control": "random"}}}
+        for a in arms:
+            for s in seeds:
+                write_run(pathlib.Path(out) / f"{a}-s{s}", [0.1 if a == "erase" else 0.6] * 6, [0.3] * 6,
+                          cfg=cfgs.get(a))
+        return "the full printed verdicts"
+
+    monkeypatch.setattr(experiment, "sweep", fake_sweep)
+    assert experiment.demo_main(["--out", str(tmp_path / "d")]) == 0
+    out = capsys.readouterr().out
+    assert got["arms"] == experiment.DEMO_ARMS and got["seeds"] == [0]
+    assert got["command"].startswith("projected-grpo demo --arms quick --seeds 1 --jobs 2 --out ")
+    assert "the full printed verdicts" not in out and out.count("Verdict: ") == 1
+    assert out.splitlines()[-1] == f"curves: {tmp_path / 'd' / 'curves.png'}"
+    assert experiment.demo_main(["--arms", "all", "--seeds", "2", "--out", str(tmp_path / "e")]) == 0
+    assert got["arms"] == experiment.DEMO_ARMS_ALL and got["seeds"] == [0, 1]
+    assert "± SEM over 2 seeds" in capsys.readouterr().out

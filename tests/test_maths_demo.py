@@ -123,9 +123,9 @@ def test_start_evals_are_cached_per_seed_and_config(maths_cfg, tmp_path, monkeyp
 # --- demo --task math --------------------------------------------------------------------------------------
 
 def test_demo_tasks():
-    assert experiment.DEMO_TASKS["code"] == ("demo", experiment.DEMO_ARMS)
+    assert experiment.DEMO_TASKS["code"][1]["quick"] == experiment.DEMO_ARMS
     preset, arms = experiment.DEMO_TASKS["math"]
-    assert preset in presets.PRESETS and arms == ("none",)
+    assert preset in presets.PRESETS and arms == {"quick": ("none",), "all": ("none",)}
 
 
 @pytest.mark.slow

@@ -27,16 +27,20 @@ from projected_grpo import presets, store
 from projected_grpo.errors import UserError
 from projected_grpo.run import metrics, setup
 from projected_grpo.run import pool as P
-from projected_grpo.study import launch, report, start_eval
+from projected_grpo.study import launch, report, start_eval, summary, tables
 from projected_grpo.study.arms import ARMS, RANDOM_TWIN, arm_sections, describe_arm
 
-# the demo: the preregistered arms, the controls that can fail (random, orientation, label, energy-matched;
-# docs/preregistration.md "Controls"), the positive control
-DEMO_ARMS: tuple[str, ...] = ("none", "erase", "route", "random_V", "shuffled_V", "within_V", "energy_V",
-                              "gt_reward")
-# demo --task -> (preset, arms): math trains honestly (strict verifier), so one arm, no projection
-DEMO_TASKS: dict[str, tuple[str, tuple[str, ...]]] = {"code": ("demo", DEMO_ARMS),
-                                                      "math": ("math-demo", ("none",))}
+# the demo by default: the baseline, the method, its random-V control and the positive control, 4 runs at
+# one seed, about 10 minutes on 2 cores: a demonstration (the results with seeds are docs/results.md)
+DEMO_ARMS: tuple[str, ...] = ("none", "erase", "random_V", "gt_reward")
+# `demo --arms all`: the preregistered arms, the controls that can fail (random, orientation, label,
+# energy-matched; docs/preregistration.md "Controls"), the positive control
+DEMO_ARMS_ALL: tuple[str, ...] = ("none", "erase", "route", "random_V", "shuffled_V", "within_V", "energy_V",
+                                  "gt_reward")
+# demo --task -> (preset, {--arms: arms}): math trains honestly (strict verifier), so one arm, no projection
+DEMO_TASKS: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {
+    "code": ("demo", {"quick": DEMO_ARMS, "all": DEMO_ARMS_ALL}),
+    "math": ("math-demo", {"quick": ("none",), "all": ("none",)})}
 LOMO_PAIRS_FILE = "lomo_pairs.jsonl"
 Log = Callable[[str], None]
 
@@ -261,20 +265,23 @@ class ExperimentOpts(presets.Base):
 
 @dataclass(frozen=True)
 class DemoOpts:
-    """The embedded demo: organism, teacher pool, V_hack, then arms none, erase, route, the controls random_V,
-    shuffled_V, within_V, energy_V (erase with a control V) and gt_reward (the positive control) with the
-    `demo` preset; prints the results table and verdicts and writes report.md and curves.png under --out.
-    `--task math`: the maths organism trained honestly (strict verifier, arithmetic curriculum) with the
-    `math-demo` preset, arm none; report.md adds held-out accuracy against step (eval.png)."""
+    """The embedded demo: organism, V_hack, then arms none, erase, random_V (erase with a random V) and
+    gt_reward (the positive control) at one seed with the `demo` preset, about 10 minutes on 2 cores; ends
+    with the deployed model's rates per arm, one verdict line and the paths of report.md and curves.png.
+    `--arms all --seeds 3`: the preregistered demo (adds route and the controls shuffled_V, within_V,
+    energy_V). `--task math`: the maths organism trained honestly (strict verifier, arithmetic curriculum)
+    with the `math-demo` preset, arm none; report.md adds held-out accuracy against step (eval.png)."""
 
     task: Literal["code", "math"] = "code"
-    """code: the loophole demo (arms DEMO_ARMS); math: honest GRPO on arithmetic, held-out accuracy against
-    step"""
+    """code: the loophole demo; math: honest GRPO on arithmetic, held-out accuracy against step"""
+    arms: Literal["quick", "all"] = "quick"
+    """quick: none, erase, random_V, gt_reward (DEMO_ARMS); all: the preregistered demo's 8 arms
+    (DEMO_ARMS_ALL: adds route, shuffled_V, within_V, energy_V)"""
+    seeds: int = 1
+    """seeds 0 .. N-1 per arm: 1 is a demonstration, not evidence; 3 is the fewest whose paired t-interval is
+    of use (docs/preregistration.md, "Statistics")"""
     out: str = ""
     """sweep directory (empty = runs/demo-<time>)"""
-    seeds: int = 3
-    """seeds 0 .. N-1 per arm: 3, the fewest whose paired t-interval is of use (docs/preregistration.md,
-    "Statistics"); the report says how many each contrast needs"""
     jobs: int = 2
     """runs trained at once (each in its own process, one torch thread each: 2 fills a 2-core machine)"""
 
@@ -304,17 +311,25 @@ def main(argv: list[str]) -> int:
 
 
 def demo_main(argv: list[str]) -> int:
-    """`projected-grpo demo` (what `make demo` runs): see DemoOpts."""
+    """`projected-grpo demo` (what `make demo` runs): see DemoOpts. The code demo prints summary.text (the
+    deployed rates, one verdict line, the paths); report.md holds every verdict in full."""
     import tyro
 
     opts = tyro.cli(DemoOpts, args=argv, prog="projected-grpo demo")
     if opts.seeds < 1 or opts.jobs < 1:
         raise UserError(f"--seeds {opts.seeds}, --jobs {opts.jobs}: need at least 1 each")
-    preset, arms = DEMO_TASKS[opts.task]
+    preset, arm_sets = DEMO_TASKS[opts.task]
+    arms, seeds = arm_sets[opts.arms], list(range(opts.seeds))
     out = opts.out or f"runs/demo-{'' if opts.task == 'code' else 'math-'}{time.strftime('%Y%m%d-%H%M%S')}"
     command = shlex.join(["projected-grpo", "demo", *(["--task", opts.task] if opts.task != "code" else []),
-                          "--out", out, "--seeds", str(opts.seeds), "--jobs", str(opts.jobs)])
-    print(sweep(presets.PRESETS[preset], arms, list(range(opts.seeds)), out, preset=preset,
-                command=command, title=f"{preset} preset: {', '.join(arms)} x {opts.seeds} seed(s)",
-                jobs=opts.jobs))
+                          "--arms", opts.arms, "--seeds", str(opts.seeds), "--jobs", str(opts.jobs),
+                          "--out", out])
+    printed = sweep(presets.PRESETS[preset], arms, seeds, out, preset=preset, command=command,
+                    title=f"{preset} preset: {', '.join(arms)} x {opts.seeds} seed(s)", jobs=opts.jobs)
+    if opts.task != "code":
+        print(printed)
+        return 0
+    out = pathlib.Path(out)
+    runs = {a: [r.dir for r in plan(presets.PRESETS[preset], [a], seeds, out)] for a in arms}
+    print(summary.text(tables.tables(runs), out / "report.md", out / "curves.png"))
     return 0
