@@ -1,4 +1,5 @@
-# Two commands: `make test` and `make demo`. Both create/refresh .venv through `make install`.
+# Two commands: `make test` and `make demo` (4 arms, 1 seed: ~10 min on 2 cores; `make demo-all`: the
+# preregistered 8 arms x 3 seeds). All create/refresh .venv through `make install`.
 # Torch is installed first from an overridable pin so a fresh install never pulls a CUDA build
 # unasked:  make install TORCH_SPEC="torch==2.5.1+cu121" PIP_EXTRA="--index-url ..."
 PY ?= python3
@@ -7,7 +8,7 @@ EXTRAS ?= dev
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: install test test-slow test-all demo lint clean
+.PHONY: install test test-slow test-all demo demo-all lint clean
 
 install: $(VENV)/.installed-$(EXTRAS)
 
@@ -33,6 +34,9 @@ test-all: lint
 
 demo: install
 	$(BIN)/projected-grpo demo
+
+demo-all: install
+	$(BIN)/projected-grpo demo --arms all --seeds 3
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache

@@ -24,7 +24,7 @@ PARENT_ENV = "PROJECTED_GRPO_PARENT_PID"  # set by study/launch.py for each run 
 
 # name -> (one-line help, "module:function taking argv: list[str] and returning an exit code")
 COMMANDS: dict[str, tuple[str, str]] = {  # pipeline order: the main job first
-    "demo": ("make demo: none/erase/route/random_V/gt_reward on the organism, report",
+    "demo": ("make demo: none/erase/random_V/gt_reward, 1 seed (--arms all --seeds 3: all 8)",
              "projected_grpo.study.experiment:demo_main"),
     "experiment": ("sweep arms x seeds (or --lomo MODE); report + plot",
                    "projected_grpo.study.experiment:main"),
