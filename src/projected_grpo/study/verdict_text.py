@@ -81,7 +81,9 @@ def _fmt_check(chk: dict | None) -> str:
         return "no V_hack check recorded (runs from before the check, or no V_hack)"
     passed, why = check.verdict(chk.get("check", {}))
     scores = chk.get("check", {}).get("scores", {})
-    vals = ", ".join(f"{n} {v[0]:.3f}" for n, v in scores.items())
+    # the real V first, then the controls in check.CHECKED's order (a stored check comes back sorted)
+    order = ["real", *check.CHECKED, *sorted(set(scores) - {"real", *check.CHECKED})]
+    vals = ", ".join(f"{n} {scores[n][0]:.3f}" for n in order if n in scores)
     return f"{ {True: 'passed', False: 'FAILED', None: 'undecided'}[passed] }: {why}" + (
         f" (held-out separation: {vals})" if vals else "")
 
