@@ -12,6 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from projected_grpo.knobs import plain
 from projected_grpo.knobs.adapters import wrap
 from projected_grpo.knobs.svd_cache import SVD_FORMAT, _tensors_checksum, svd_cached
 from projected_grpo.store import weight_hash
@@ -123,14 +124,14 @@ def test_export_round_trip_with_stock_transformers(kind, include_quarantine, tmp
         else:
             with knobs.ablate_quarantine():
                 want = model(x).logits
-    knobs.export(tmp_path / "out", include_quarantine=include_quarantine)
-    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
-    assert not any("delta" in n for n, _ in plain.named_parameters())
+    plain.export(knobs, tmp_path / "out", include_quarantine=include_quarantine)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert not any("delta" in n for n, _ in hf.named_parameters())
     with torch.no_grad():
-        got = plain(x).logits
+        got = hf(x).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     with pytest.raises(FileExistsError, match="not empty"):
-        knobs.export(tmp_path / "out")
+        plain.export(knobs, tmp_path / "out")
 
 
 @pytest.mark.bitwise  # a promise across a save and a load: docs/reproducibility.md

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import copy
 import hashlib
 import json
 import pathlib
@@ -35,7 +34,7 @@ from torch.nn import functional as F
 
 from projected_grpo.knobs import checkpointing, fused, split
 from projected_grpo.knobs.svd_cache import svd_cached
-from projected_grpo.store import atomic_dir, load_tensors, save_tensors, weight_hash
+from projected_grpo.store import load_tensors, save_tensors, weight_hash
 
 # Llama/Qwen attention + MLP projections, and GatedDeltaNet linear attention (Qwen3-Next: in_proj_qkvz,
 # in_proj_ba; Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; both: out_proj).
@@ -47,7 +46,7 @@ DEFAULT_LORA_RANK = 16
 KNOB_FORMAT = "knobs-v1"
 
 
-def _wide(W: torch.Tensor) -> torch.Tensor:
+def wide(W: torch.Tensor) -> torch.Tensor:
     """W in at least fp32 (fp64 stays fp64): the precision W + ΔW is summed in before the cast back."""
     return W.to(torch.promote_types(W.dtype, torch.float32))
 
@@ -126,7 +125,7 @@ class KnobLinear(nn.Module, abc.ABC):
         # a normal tensor even when first merged under inference_mode, so a later forward with grad can use it
         with torch.inference_mode(False), torch.no_grad():  # this order: inference_mode(False) enables grad
             coef = self.delta + self.delta_hack if self.use_hack else self.delta
-            W_eff = W if not coef.any() else (_wide(W) + self.delta_weight(coef).to(_wide(W))).to(W.dtype)
+            W_eff = W if not coef.any() else (wide(W) + self.delta_weight(coef).to(wide(W))).to(W.dtype)
             if not self.unmerged:
                 self._eff = (self.use_hack, self.delta.detach().clone(),
                              self.delta_hack.detach().clone() if self.use_hack else None, key_w, W_eff)
@@ -162,7 +161,7 @@ class SVDKnob(KnobLinear):
         return self.U, self.Vh
 
     def delta_weight(self, coef):
-        U, Vh = _wide(self.U), _wide(self.Vh)
+        U, Vh = wide(self.U), wide(self.Vh)
         return (U * coef.to(U)) @ Vh  # U·diag(δS)·Vh
 
 
@@ -188,13 +187,13 @@ class LoRAKnob(KnobLinear):
         return (self.A,)
 
     def delta_weight(self, coef):
-        return coef.to(_wide(self.A)) @ _wide(self.A)  # B·A
+        return coef.to(wide(self.A)) @ wide(self.A)  # B·A
 
 
 KINDS: dict[str, type[KnobLinear]] = {"svd": SVDKnob, "lora": LoRAKnob}
 
 
-def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+def parent_module(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     parent, _, attr = name.rpartition(".")
     return (model.get_submodule(parent) if parent else model), attr
 
@@ -223,7 +222,7 @@ def wrap(model: nn.Module, kind: str = "svd", targets: tuple[str, ...] = DEFAULT
     cache = pathlib.Path(cache_dir).expanduser() if cache_dir is not None else None
     modules = {}
     for n in names:
-        parent, attr = _parent(model, n)
+        parent, attr = parent_module(model, n)
         modules[n] = KINDS[kind](getattr(parent, attr), n, rank, cache, seed)
         setattr(parent, attr, modules[n])
     return Knobs(model, kind, tuple(targets), rank, seed, modules, rest)
@@ -246,7 +245,7 @@ def _rest_hash(model: nn.Module, skip: set[str]) -> str:
 
 
 class Knobs:
-    """Handle on a wrapped model: knob parameters, contexts, gradients, capture, save/load/export."""
+    """Handle on a wrapped model: knob parameters, contexts, gradients, capture, save/load."""
 
     def __init__(self, model, kind, targets, rank, seed, modules: dict[str, KnobLinear], rest_hash: str):
         self.model, self.kind, self.targets, self.rank, self.seed = model, kind, targets, rank, seed
@@ -387,34 +386,3 @@ class Knobs:
         for n, m in self.modules.items():
             m.delta.data.copy_(tensors[f"{n}.delta"])
             m.delta_hack.data.copy_(tensors[f"{n}.delta_hack"])
-
-    def export(self, out_dir: str | pathlib.Path, include_quarantine: bool = False, tokenizer=None) -> None:
-        """Fold knobs into W (W + U·diag(δS[+δS_hack])·Vh, or W + (B[+B_hack])·A) on a deep copy and
-        `save_pretrained` a plain checkpoint that stock `AutoModelForCausalLM` loads. Needs memory for a
-        second copy of the model. `out_dir` must not exist or be empty; written via a temp dir + rename."""
-        out = pathlib.Path(out_dir)
-        if out.exists() and any(out.iterdir()):
-            raise FileExistsError(f"export target {out} is not empty; choose a new directory")
-        # never deep-copy an active capture or the W_eff caches (a copy of the weights each)
-        saved = {n: (m.capture, m._eff, m._pinned) for n, m in self.modules.items()}
-        for m in self.modules.values():
-            m.capture = m._eff = m._pinned = None
-        try:
-            plain = copy.deepcopy(self.model)
-        finally:
-            for n, m in self.modules.items():
-                m.capture, m._eff, m._pinned = saved[n]
-        with torch.no_grad():
-            for n in self.modules:
-                parent, attr = _parent(plain, n)
-                km = getattr(parent, attr)
-                coef = km.delta + km.delta_hack if include_quarantine else km.delta
-                W = km.base.weight
-                W.copy_((_wide(W) + km.delta_weight(coef).to(_wide(W))).to(W.dtype))
-                setattr(parent, attr, km.base)
-        for p in plain.parameters():
-            p.requires_grad_(True)
-        with atomic_dir(out) as tmp:
-            plain.save_pretrained(tmp)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)

@@ -63,7 +63,7 @@ def enable(model: nn.Module, on: bool = True) -> None:
     """Turn checkpointing of every decoder layer on (or off with on=False); idempotent.
 
     The switch is an instance attribute `forward` bound to the layer (a bound method, so a deep copy
-    of the model, e.g. `Knobs.export`, rebinds it to the copy's layer)."""
+    of the model, e.g. `plain.export`, rebinds it to the copy's layer)."""
     for layer in layers(model):
         if on:
             layer.forward = types.MethodType(_checkpointed_forward, layer)

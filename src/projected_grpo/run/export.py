@@ -3,10 +3,10 @@
 Rebuilds the model and knobs the run trained (the checkpoint's config.json, the same load and wrap as
 training), loads the main knob of one checkpoint (the latest by default), leaves the quarantine knob at
 zero (the deployed model of `route`; the others never write it) and folds the knob into the weights with
-`Knobs.export`: W + U·diag(δS)·Vh (svd) or W + B·A (lora), in the base weights' dtype, plus the run's
+`knobs.plain.export`: W + U·diag(δS)·Vh (svd) or W + B·A (lora), in the base weights' dtype, plus the run's
 tokenizer. The result loads with stock `AutoModelForCausalLM` / `AutoTokenizer` (or vLLM) and gives the
 logits of the knob model under `knobs.ablate_quarantine()`. Not here: training, or exporting the
-quarantine itself (`Knobs.export(include_quarantine=True)` does that, for analysis only).
+quarantine itself (`knobs.plain.export(include_quarantine=True)` does that, for analysis only).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import tyro
 from projected_grpo import config as C
 from projected_grpo import store
 from projected_grpo.errors import UserError
+from projected_grpo.knobs import plain
 from projected_grpo.run import checkpoint, setup
 
 EXPORT_FILE = "projected_grpo_export.json"  # beside config.json: which run, step and knob it came from
@@ -64,7 +65,7 @@ def export_run(run_dir: str | pathlib.Path, out_dir: str | pathlib.Path, step: i
               "knob": cfg.model.knob, "rank": cfg.model.rank, "model": cfg.model.path or cfg.model.source,
               "fingerprint": knobs.fingerprint(), "quarantine": "zeroed"}
     with store.atomic_dir(out) as tmp:
-        knobs.export(tmp, include_quarantine=False, tokenizer=tok)  # tmp is empty: export fills it in place
+        plain.export(knobs, tmp, include_quarantine=False, tokenizer=tok)  # tmp is empty: filled in place
         store.write_json_atomic(tmp / EXPORT_FILE, record)
     return out
 
