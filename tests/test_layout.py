@@ -1,5 +1,5 @@
 """The file tree is the architecture: each layer imports only what docs/architecture.md's table allows,
-no module imports run/train.py except the CLI, and no source file is much over 400 lines.
+no module imports run/train.py except the CLI, and no source file is over 400 lines (a test file 420).
 
 Run: .venv/bin/pytest -q tests/test_layout.py
 """
@@ -113,7 +113,8 @@ def test_only_the_cli_reaches_the_training_loop():
 
 
 def test_files_stay_near_400_lines():
-    files = [*SRC.rglob("*.py"), *SRC.parents[1].glob("tests/*.py")]
-    long = {str(p.relative_to(SRC.parents[1])): n for p in files
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 420}
+    # the library's files at most 400 lines; test files a little over (a hand-computed case is long)
+    limits = {**{p: 400 for p in SRC.rglob("*.py")}, **{p: 420 for p in SRC.parents[1].glob("tests/*.py")}}
+    long = {str(p.relative_to(SRC.parents[1])): n for p, cap in limits.items()
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > cap}
     assert long == {}
