@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from adapter_helpers import randomize
+from adapter_helpers import GQA, GQA_ARCHS, GQA_VOCAB, randomize
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -24,10 +24,7 @@ from projected_grpo.sampling.generate import generate
 from projected_grpo.sampling.kv_cache import KV_CACHES, cache_of, with_cache
 from projected_grpo.sampling.pack import left_pad, position_ids_from_mask
 
-V = 96
-# SmolLM2-style grouped-query attention (4 query heads share 2 key/value heads)
-GQA = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, max_position_embeddings=128)
+V = GQA_VOCAB
 
 
 def _bench():  # benchmarks/vs_trl.py build_model(dir, 256, 4): the 4.46M-parameter bench Llama
@@ -43,10 +40,9 @@ def _seeded(build):
 BUILDERS = {
     "bench": _bench,
     "organism": lambda: smoke_model_and_tokenizer()[0],
-    "llama_gqa": lambda: _seeded(lambda: LlamaForCausalLM(LlamaConfig(**GQA, attn_implementation="sdpa"))),
-    "llama_eager": lambda: _seeded(lambda: LlamaForCausalLM(LlamaConfig(**GQA, attn_implementation="eager"))),
-    # Qwen2: biased q/k/v projections
-    "qwen2": lambda: _seeded(lambda: Qwen2ForCausalLM(Qwen2Config(**GQA, attn_implementation="sdpa"))),
+    "llama_gqa": lambda: _seeded(GQA_ARCHS["llama_sdpa"]),
+    "llama_eager": lambda: _seeded(GQA_ARCHS["llama_eager"]),
+    "qwen2": lambda: _seeded(GQA_ARCHS["qwen2"]),  # biased q/k/v projections
 }
 CASES = [pytest.param(name, dtype, id=f"{name}-{str(dtype).removeprefix('torch.')}")
          for name, dtype in [(n, torch.float32) for n in BUILDERS]
@@ -139,7 +135,7 @@ def test_generate_lean_equals_hf_with_eos_and_top_p():
 def test_lean_step_with_merged_knobs(kind, tmp_path):
     # Qwen2 (biased projections) wrapped in KnobLinear: the lean step calls the wrappers as modules, so the
     # pinned W_eff of Knobs.merged() is what it multiplies by
-    model = _seeded(lambda: Qwen2ForCausalLM(Qwen2Config(**GQA, attn_implementation="sdpa"))).eval()
+    model = _seeded(GQA_ARCHS["qwen2"]).eval()
     _perturb(model)
     knobs = wrap(model, kind, cache_dir=tmp_path)
     randomize(knobs, scale=0.5)

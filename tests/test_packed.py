@@ -10,14 +10,10 @@ import copy
 
 import pytest
 import torch
-from adapter_helpers import randomize
+from adapter_helpers import GQA_ARCHS, GQA_VOCAB, randomize
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
 )
 
 from projected_grpo.knobs.adapters import wrap
@@ -27,14 +23,8 @@ from projected_grpo.sampling.pack import left_pad, pack, position_ids_from_mask
 from projected_grpo.sampling.packed import PackedLM, why_not_packed
 from projected_grpo.sampling.score import forward_logprobs
 
-V = 96
-GQA = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, max_position_embeddings=128)
-BUILDERS = {
-    "llama_sdpa": lambda: LlamaForCausalLM(LlamaConfig(**GQA, attn_implementation="sdpa")),
-    "llama_eager": lambda: LlamaForCausalLM(LlamaConfig(**GQA, attn_implementation="eager")),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**GQA, attn_implementation="sdpa")),  # biased q/k/v
-}
+V = GQA_VOCAB
+BUILDERS = GQA_ARCHS
 PROMPTS = {"padded": [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]],
            "unpadded": [[5, 6, 7], [8, 9, 10]]}
 
