@@ -9,7 +9,10 @@ sandbox workers are separate processes, counted by the parent's process-tree sam
 
 Both trainers get the same prompts (the built-in problems' chat messages, rendered by the same
 tokenizer's chat template; the ids are checked equal), the same reward callable (`string_reward`),
-group size, completion length, learning rate, loss, beta, clip epsilon 0.2, k3 KL, fp32 on CPU.
+group size, completion length, learning rate, loss, beta, clip epsilon 0.2, k3 KL; fp32 on CPU unless
+the spec names another "device" (cuda) and "dtype" (bfloat16: ours loads the frozen base in bf16, knobs fp32;
+TRL trains with `bf16=True` on the checkpoint's own dtype). On CUDA, OUT_JSON also holds the GPU's peak
+allocated memory (`gpu_peak_mb`) and each step's time is taken after a device synchronize.
 """
 
 from __future__ import annotations
@@ -101,6 +104,14 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
+def _sync(spec: dict) -> None:
+    """Wait for the GPU's queued work, so a step's wall time is the step's (CUDA runs asynchronously)."""
+    import torch
+
+    if spec.get("device", "cpu").startswith("cuda"):
+        torch.cuda.synchronize()
+
+
 def reward(prompts, completions, **kwargs) -> list[float]:
     """The one reward both trainers call, in TRL's reward-function contract (ours wraps it as an
     environment: envs.base.RewardFnEnv, `--env.name reward_fn --env.reward-fn _vs_trl_worker:reward`)."""
@@ -158,7 +169,8 @@ def run_ours(spec: dict) -> dict:
         share["sample_dtype"] = spec["sample_dtype"]
     cfg = C.Config(
         model=C.ModelCfg(source="hf", path=spec["model_dir"], cache_dir=spec["cache_dir"], knob=spec["knob"],
-                         rank=spec["rank"], grad_checkpointing=spec["ckpt"]),
+                         rank=spec["rank"], grad_checkpointing=spec["ckpt"],
+                         device=spec.get("device", "cpu"), dtype=spec.get("dtype", "float32")),
         env=C.EnvCfg(name="reward_fn", reward_fn="_vs_trl_worker:reward",
                      problems=str(write_prompts(pathlib.Path(spec["tmp"]) / f"prompts-{os.getpid()}.jsonl"))),
         rollout=C.RolloutCfg(prompts_per_step=spec["B"], group_size=spec["G"], mix=0.0,
@@ -212,11 +224,13 @@ def run_trl(spec: dict) -> dict:
 
     class Timer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
+            _sync(spec)
             self.t0, self.c0 = time.perf_counter(), time.process_time()
             if ph is not None:
                 self.s0 = ph.snapshot()
 
         def on_step_end(self, args, state, control, **kw):
+            _sync(spec)
             times.append(time.perf_counter() - self.t0)
             cpu.append(time.process_time() - self.c0)
             if ph is not None:
@@ -227,7 +241,8 @@ def run_trl(spec: dict) -> dict:
                 logs_seen.append(dict(logs))
 
     args = GRPOConfig(
-        output_dir=str(pathlib.Path(spec["tmp"]) / f"trl-{os.getpid()}"), use_cpu=True, bf16=False,
+        output_dir=str(pathlib.Path(spec["tmp"]) / f"trl-{os.getpid()}"),
+        use_cpu=spec.get("device", "cpu") == "cpu", bf16=spec.get("dtype", "float32") == "bfloat16",
         fp16=False, per_device_train_batch_size=spec["B"] * spec["G"], num_generations=spec["G"],
         gradient_accumulation_steps=1, max_completion_length=spec["max_new"], temperature=1.0, top_p=1.0,
         top_k=0, learning_rate=spec["lr"], beta=spec["beta"], loss_type=spec["loss"],
@@ -270,6 +285,8 @@ def main(argv: list[str]) -> int:
     t0 = time.perf_counter()
     out = RUNNERS[spec["trainer"]](spec)
     out |= {"trainer": spec["trainer"], "wall_s": time.perf_counter() - t0, "peak_rss_mb": _peak_rss_mb()}
+    if spec.get("device", "cpu").startswith("cuda"):
+        out["gpu_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     tmp = tempfile.NamedTemporaryFile("w", dir=pathlib.Path(argv[1]).parent, delete=False, suffix=".tmp")
     with tmp:
         json.dump(out, tmp)

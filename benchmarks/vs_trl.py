@@ -182,6 +182,18 @@ def build_model(model_dir: pathlib.Path, hidden: int, layers: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def random_like(src: str, model_dir: pathlib.Path, dtype: str) -> pathlib.Path:
+    """src's architecture (config.json) and tokenizer, with seeded random weights in `dtype`, saved to
+    model_dir."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=getattr(torch, dtype))
+    model.save_pretrained(model_dir)
+    AutoTokenizer.from_pretrained(src).save_pretrained(model_dir)
+    return model_dir
+
+
 def run_worker(spec: dict, tmp: pathlib.Path, tag: str) -> dict:
     """One trainer in a fresh process; adds `tree_peak_rss_mb` (process + children, sampled each 50 ms)."""
     import psutil
@@ -263,6 +275,13 @@ def main() -> None:
     ap.add_argument("--pairings", default="", help=f"comma list of {', '.join(PAIRINGS)}: ours vs TRL per "
                     "pairing, one RESULT line each (instead of --knob/--rank against TRL full fine-tuning)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="both trainers' device (cuda: TRL without use_cpu; "
+                    "memory is then the GPU's peak allocated, RSS beside it)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="bfloat16: ours loads the frozen base in bf16 (knobs fp32); TRL: bf16=True")
+    ap.add_argument("--random-weights", action="store_true", help="with --model-dir: that architecture and "
+                    "tokenizer with seeded random weights, saved in --dtype (the cost of the architecture, "
+                    "where its weights cannot travel; a random model samples to max_new every time)")
     ap.add_argument("--knob", default="svd", choices=["svd", "lora"], help="our knob adapter")
     ap.add_argument("--rank", type=int, default=0, help="our knob rank (0: svd full, lora 16)")
     ap.add_argument("--ckpt", type=int, default=0, help="our gradient checkpointing "
@@ -297,6 +316,9 @@ def main() -> None:
             model_dir, cfg = opt.model_dir, AutoConfig.from_pretrained(opt.model_dir)
             what = (f"{cfg.model_type} from {model_dir} (hidden {cfg.hidden_size}, {cfg.num_hidden_layers} "
                     f"layers, vocab {cfg.vocab_size})")
+            if opt.random_weights:
+                model_dir = str(random_like(opt.model_dir, tmp / "model", opt.dtype))
+                what += f", random weights in {opt.dtype}"
         else:
             model_dir = str(tmp / "model")
             n_params = build_model(tmp / "model", opt.hidden, opt.layers)
@@ -304,7 +326,8 @@ def main() -> None:
         base = {"model_dir": model_dir, "cache_dir": str(tmp / "cache"), "tmp": str(tmp),
                 "B": opt.prompts, "G": opt.group, "max_new": opt.max_new, "lr": opt.lr, "steps": opt.steps,
                 "seed": 0, "threads": opt.threads, "ckpt": bool(opt.ckpt),
-                "share_prefix": bool(opt.share_prefix), "sample_dtype": opt.sample_dtype}
+                "share_prefix": bool(opt.share_prefix), "sample_dtype": opt.sample_dtype,
+                "device": opt.device, "dtype": opt.dtype}
         cells = [(lo, float(b)) for lo in opt.losses.split(",") for b in opt.betas.split(",")]
         # each distinct trainer setting runs once per (rep, cell), shared by the pairings that use it
         sides: dict[str, dict] = {}
@@ -337,21 +360,24 @@ def main() -> None:
         return
     med = statistics.median
     summary = {}
+    gpu = opt.device.startswith("cuda")
     print(f"\n{'loss':>7} {'beta':>5} {'trainer':>13} {'step s':>7} {'cpu s':>6} {'tok/s':>6} {'rss MB':>7} "
-          f"{'tree MB':>7}   ours: generate / backward s")
+          f"{'tree MB':>7}{'gpu MB' if gpu else '':>{8 if gpu else 0}}   ours: generate / backward s")
     for (loss, beta, name), runs in res.items():
         steps = [s for r in runs for s in r["step_s"][1:]]
         toks = [t / s for r in runs for t, s in zip(r["tokens"][1:], r["step_s"][1:])]
         cpu = [c for r in runs for c in r["cpu_s"]]
         s = summary[(loss, beta, name)] = {"step": med(steps), "cpu": med(cpu), "tok_s": med(toks),
                                            "rss": med(r["peak_rss_mb"] for r in runs),
-                                           "tree": med(r["tree_peak_rss_mb"] for r in runs)}
+                                           "tree": med(r["tree_peak_rss_mb"] for r in runs),
+                                           "gpu": med(r.get("gpu_peak_mb", 0.0) for r in runs)}
         ph = ""
         if name.startswith("ours"):
             ph = " / ".join(f"{med(x for r in runs for x in r['phases'][k][1:]):.2f}"
                             for k in ("generate", "backward"))
+        gpu_col = f"{s['gpu']:>8.0f}" if gpu else ""
         print(f"{loss:>7} {beta:>5} {name:>13} {s['step']:>7.2f} {s['cpu']:>6.2f} {s['tok_s']:>6.0f} "
-              f"{s['rss']:>7.0f} {s['tree']:>7.0f}   {ph}")
+              f"{s['rss']:>7.0f} {s['tree']:>7.0f}{gpu_col}   {ph}")
     print(f"\n{versions()}; {torch.get_num_threads()} torch threads here, "
           f"load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
           f"total {time.perf_counter() - t_start:.0f} s")
@@ -362,8 +388,9 @@ def main() -> None:
         tag = "" if pairing == "default" else f"pairing={pairing} "
         print(f"{tag}cpu_time_ratio={o['cpu'] / t['cpu']:.3f} tree_memory_ratio={o['tree'] / t['tree']:.3f} "
               f"(loss {key[0]}, beta {key[1]})")
+        mem = "gpu" if gpu else "rss"  # on a GPU the memory that bounds the work is the device's
         print(f"RESULT {tag}step_time_ratio={o['step'] / t['step']:.3f} "
-              f"memory_ratio={o['rss'] / t['rss']:.3f}")
+              f"memory_ratio={o[mem] / t[mem]:.3f}")
 
 
 if __name__ == "__main__":
