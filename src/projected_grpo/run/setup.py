@@ -68,6 +68,12 @@ def load_model(cfg: C.Config, tokenizer_only: bool = False):
                 path, dtype=getattr(torch, cfg.model.dtype), **gguf)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
+    if cfg.model.device.startswith("cuda") and model is not None:
+        # cuDNN's attention builds a graph per new shape, ~45-70 ms each on an H200 (torch 2.11, bf16), and
+        # the decode's key length grows every token: 7 of our 8 s per SmolLM2 step went there; the other
+        # backends take 0.06-0.17 ms per call (docs/benchmarks.md, "On a GPU"). Process-wide, so the lean
+        # decode step and the HF forward it must equal choose among the same backends.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     return (None if model is None else model.to(cfg.model.device).eval()), tok
 
 
