@@ -8,6 +8,7 @@ Run: pytest tests/test_direction.py
 from __future__ import annotations
 
 import json
+import pathlib
 import types
 import warnings
 
@@ -311,3 +312,20 @@ def test_cli_smoke_prints_axes_and_the_check(capsys, tmp_path):
     assert "share of the completion gradients (centred per prompt) inside span(V)" in text
     assert "model.layers.0.self_attn.q_proj" in text and out.is_file()
     assert main(args) == 0 and ": hit" in capsys.readouterr().out
+
+
+def test_cli_without_out_fills_the_cache_train_reads(capsys, tmp_path):
+    """extract-direction ahead of the runs: `train` with the same flags then loads V_hack instead of
+    re-extracting it (its line says `hit`), from the path extract-direction printed."""
+    from projected_grpo.cli import main
+
+    flags = ["--preset", "smoke", "--proj.pairs-per-problem", "2", "--proj.k", "2",
+             "--model.cache-dir", str(tmp_path / "cache")]
+    assert main(["extract-direction", *flags]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("cache "))
+    path = line.split()[1].rstrip(":")
+    assert path.startswith(str(tmp_path / "cache")) and ": miss" in line and pathlib.Path(path).is_file()
+    run = ["--arm", "erase", "--run.steps", "1", "--run.dir", str(tmp_path / "run")]
+    assert main(["train", *flags, *run]) == 0
+    err = capsys.readouterr().err
+    assert f"V_hack {path} (hit" in err, err[-1500:]

@@ -258,7 +258,8 @@ def _last_ckpt(run_dir: pathlib.Path) -> int:
 def test_killing_a_sweep_stops_every_run_and_the_same_command_resumes(tmp_path):
     out, steps = tmp_path / "sweep", 40  # 40: the leader cannot finish between a checkpoint and the SIGTERM
     cmd = [sys.executable, "-m", "projected_grpo.cli", "experiment", "--preset", "smoke", "--arms",
-           "none,erase", "--jobs", "2", "--out", str(out), "--run.steps", str(steps), "--run.checkpoint-every", "2",
+           "none,erase", "--jobs", "2", "--out", str(out), "--run.steps", str(steps),
+           "--run.checkpoint-every", "2",
            *SMALL[2:]]
     started = lambda: all((out / f"{a}-s0" / "ckpt-000002").is_dir() for a in ("none", "erase"))
 
@@ -294,7 +295,8 @@ def test_killing_a_sweep_stops_every_run_and_the_same_command_resumes(tmp_path):
         run = out / f"{arm}-s0"
         assert [r["step"] for r in metrics.read_rows(run / metrics.METRICS_FILE)] == list(range(steps))
         assert (run / metrics.SUMMARY_FILE).is_file()
-        starts = [int(s) for s in re.findall(r"run \S+ from step (\d+) ", (run / launch.LOG_FILE).read_text())]
+        log = (run / launch.LOG_FILE).read_text()
+        starts = [int(s) for s in re.findall(r"run \S+ from step (\d+) ", log)]
         assert starts[0] == 0 and 2 <= starts[-1] < steps, starts  # the last command resumed it mid-run
         resumed[arm] = starts[-1]
     assert any(resumed[a] > before[a] for a in before)  # from the checkpoint written before the SIGTERM

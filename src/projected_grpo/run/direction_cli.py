@@ -3,7 +3,8 @@ print per module the kept axes and singular values, then V's held-out check: its
 from clean gradients beside every control's, with intervals (hack/check.py), and how much of the pairs'
 completion gradients, centred per prompt, each V captures. Settings are the run's own `--proj.*` fields (k,
 heldout_frac, nll_norm, control, pairs, pairs_per_problem, require_check), so a direction extracted here is
-the one `train` would use with the same flags.
+the one `train` would use with the same flags: without --out it is cached where `train` looks for it
+(hack/resolve.v_hack_path), so extracting once ahead (minutes on a real model) serves every later run.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from projected_grpo import presets
 from projected_grpo.errors import UserError
 from projected_grpo.hack import resolve as hack_resolve
 from projected_grpo.hack.check import CHECKED
-from projected_grpo.hack.direction import extract_direction, resolve
+from projected_grpo.hack.direction import resolve
 from projected_grpo.hack.pairs import DETECTORS
 
 
 @dataclass(frozen=True, kw_only=True)
 class ExtractOpts(presets.Base):
     """projected-grpo extract-direction: pairs come from --proj.pairs, a mined --pool, or the environment's
-    templates (as train's); `--out` caches the result (reused when its inputs match)."""
+    templates (as train's); the result is cached (reused when its inputs match) where `train` reads it, or at
+    `--out`."""
 
     pool: str = ""
     """a graded teacher-pool JSONL to mine pairs from, with --known-modes (the weak detector of LOMO)"""
@@ -33,7 +35,8 @@ class ExtractOpts(presets.Base):
     detectors: tuple[str, ...] = ("E",)
     """pool mining: a row is a hack when any of these detectors fires (E, C, D)"""
     out: str = ""
-    """save (and reuse when it matches) the direction at this .safetensors path"""
+    """save (and reuse when it matches) the direction at this .safetensors path instead of the cache `train`
+    reads (empty: that cache, keyed by model, tokenizer, pairs and settings)"""
 
 
 def main(argv: list[str]) -> int:
@@ -57,11 +60,10 @@ def main(argv: list[str]) -> int:
         else:
             pairs = hack_resolve.v_pairs(cfg, env, problems)
     s = hack_resolve.extract_settings(cfg)
-    if opts.out:
-        d, status = resolve(opts.out, s, model, knobs, tok, pairs)
-        print(f"cache {opts.out}: {status}")
-    else:
-        d = extract_direction(model, knobs, tok, pairs, s)
+    path = opts.out or hack_resolve.v_hack_path(cfg, knobs, tok, pairs, s)
+    with hack_resolve.at_zero(knobs):  # as train's: V_hack is the base model's whatever --model.init-knobs
+        d, status = resolve(path, s, model, knobs, tok, pairs)
+    print(f"cache {path}: {status}" + ("" if opts.out else " (the one `train` reads with these flags)"))
     stats = d.stats
     print(f"V_hack: {stats['n_pairs']} pairs ({stats['n_train']} fit, {stats['n_heldout']} held out from "
           f"{stats['heldout_prompts']} prompts), k={s.k}, heldout_frac={s.heldout_frac}, "
