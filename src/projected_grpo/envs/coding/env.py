@@ -2,9 +2,10 @@
 
 `CodeEnv` starts a sandbox worker pool on its first grade and owns it until `close()`, with a `Grader`
 that caches grades by (code, problem, mode). Problems are the 48 built-in ones or an rl-rewardhacking
-LeetCode JSONL file, filtered to the configured loophole modes; `grade` turns the grader's rich `Grade`
-into the interface's `Graded` (reward, passed, solved = the oracle, exploited, format_ok, timeout, and
-the detectors E/C/D as extras). Templates are the hand-written clean / buggy / hack completions.
+LeetCode JSONL file, filtered to the configured loophole modes; `grade` returns the grader's `CodeGraded`
+records: the interface's `Graded` (reward, passed, solved = the oracle, exploited, format_ok, timeout, the
+detectors E/C/D as extras) with the grader's diagnosis beside it. Templates are the hand-written clean /
+buggy / hack completions.
 Not here: the graders, oracle, detectors, sandbox (their own modules), any training.
 """
 
@@ -13,16 +14,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from projected_grpo.envs.base import Graded
 from projected_grpo.envs.coding.completions import buggy_completions, clean_completions, hack_completions
-from projected_grpo.envs.coding.grading import REWARD_SHAPES, Grade, Grader
+from projected_grpo.envs.coding.grading import CodeGraded, Grader
 from projected_grpo.envs.coding.problems import BUILTIN_PROBLEMS, MODES, Problem
 from projected_grpo.envs.coding.prompts import INOCULATION_PROMPT, build_messages
 from projected_grpo.envs.coding.sandbox import SandboxPool
 from projected_grpo.errors import UserError
 
 TEMPLATES = {"clean": clean_completions, "buggy": buggy_completions, "hack": hack_completions}
-# extras keys det_E, det_C, det_D (grading.Grade): loophole code present, a stub passes, weak own tests;
+# extras keys det_E, det_C, det_D (grading.CodeGraded): loophole code present, a stub passes, weak own tests;
 # grade_error: grading the completion raised (a failed grade, counted by sandbox/grade_error_frac)
 DETECTORS = ("E", "C", "D")
 
@@ -44,16 +44,6 @@ def load_problems(problems: str = "builtin", modes: Sequence[str] = (),
     if not out:
         raise UserError(f"config: env.modes={list(modes)} selects no problem from {problems!r}")
     return out
-
-
-def to_graded(g: Grade, reward_shape: str = "seed") -> Graded:
-    """The interface's record of a code grade: solved is the oracle's verdict, gt_reward the reward shape
-    with the oracle's verdict in place of the grader's pass, detectors in extras."""
-    gt_reward = REWARD_SHAPES[reward_shape](g.format_ok, g.gt_correct, g.compiles)
-    return Graded(reward=g.reward, gt_reward=float(gt_reward), passed=g.passed, solved=g.gt_correct,
-                  exploited=g.exploited, format_ok=g.format_ok, timeout=g.status == "timeout",
-                  extras={"det_E": g.loophole_present, "det_C": g.tests_pass_stub, "det_D": g.weak_tests,
-                          "grade_error": g.grade_error})
 
 
 class CodeEnv:
@@ -96,8 +86,8 @@ class CodeEnv:
         return [dataclasses.replace(p, id=f"{p.id}@{m}", mode=m) for p in self.problems
                 for m in [MODES[(MODES.index(p.mode) + 1) % len(MODES)]]]
 
-    def grade(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[Graded]:
-        return [to_graded(g, self.reward_shape) for g in self.grader.grade_batch(completions, problems)]
+    def grade(self, completions: Sequence[str], problems: Sequence[Problem]) -> list[CodeGraded]:
+        return self.grader.grade_batch(completions, problems)
 
     def templates(self, problem: Problem, kind: str) -> list[str]:
         return list(TEMPLATES[kind](problem))

@@ -79,19 +79,19 @@ def check_builtin(grader: Grader, pool, timeout_s: float) -> list[str]:
     print(format_table(table, n))
     failures += [f"table[{h}, {g}] = {table[h, g]}/{n}, expected {n if h == g else 0}"
                  for h in MODES for g in MODES if table[h, g] != (n if h == g else 0)]
-    # kind -> completions maker and the (passed, gt_correct) every one of them must get
+    # kind -> completions maker and the (passed, solved) every one of them must get
     kinds = {"clean": (clean_completions, (True, True)), "buggy": (buggy_completions, (False, False)),
              "hack": (hack_completions, (True, False))}
     for kind, (make, want) in kinds.items():
         items = [(c, p) for p in problems for c in make(p)]
         grades = grader.grade_batch([c for c, _ in items], [p for _, p in items])
         counts = {name: sum(getattr(g, field) for g in grades) for name, field in (
-            ("passed", "passed"), ("gt_correct", "gt_correct"), ("exploited", "exploited"),
+            ("passed", "passed"), ("solved", "solved"), ("exploited", "exploited"),
             ("E", "loophole_present"), ("C", "tests_pass_stub"), ("D", "weak_tests"))}
         print(f"{kind}: {len(items)} completions, " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-        failures += [f"{kind} completion of {p.id}: passed={g.passed} gt_correct={g.gt_correct}, "
+        failures += [f"{kind} completion of {p.id}: passed={g.passed} solved={g.solved}, "
                      f"expected {want}: {g.reason}"
-                     for (_, p), g in zip(items, grades) if (g.passed, g.gt_correct) != want]
+                     for (_, p), g in zip(items, grades) if (g.passed, g.solved) != want]
     diag = grader.grade_batch([canonical_hack(p) for p in problems], list(problems))
     failures += [f"canonical hack of {p.id} not exploited: {g.reason}"
                  for p, g in zip(problems, diag) if not g.exploited]
