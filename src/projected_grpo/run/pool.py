@@ -20,6 +20,8 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from projected_grpo.envs.base import KINDS, Graded
 from projected_grpo.errors import UserError
 from projected_grpo.sampling.generate import step_seed
@@ -43,7 +45,8 @@ def pool_row(sample: Sample, prompt_text: str, fingerprint: str, source: str) ->
     return {"problem_id": sample.problem_id, "mode": sample.mode, "prompt": prompt_text,
             "prompt_ids": list(sample.prompt_ids), "completion": sample.text,
             "completion_ids": list(sample.completion_ids), "grade": sample.grade.to_dict(),
-            "logp_behaviour": sample.logp_behaviour, "tokenizer_fingerprint": fingerprint, "source": source}
+            "logp_behaviour": None if sample.logp_behaviour is None else sample.logp_behaviour.tolist(),
+            "tokenizer_fingerprint": fingerprint, "source": source}
 
 
 # --- build -------------------------------------------------------------------------------------------
@@ -176,8 +179,11 @@ def load_pool(path: str | pathlib.Path, tokenizer, problems: Sequence,
             raise UserError(f"{where}: tokenization drift: the row was built with tokenizer fingerprint "
                             f"{row['tokenizer_fingerprint']}, the live one's is {fp}; rebuild the pool")
         rows.append(row)
+        # JSON's doubles hold the sampler's float32 values exactly: this tensor is the one sampled
+        lp = row["logp_behaviour"]
+        lp = None if lp is None else torch.tensor(lp, dtype=torch.float32)
         samples.append(Sample(pid, row["mode"], row["prompt_ids"], row["completion_ids"], row["completion"],
-                              row["logp_behaviour"], False, False, grade))
+                              lp, False, False, grade))
     return TeacherPool(rows=rows, samples=samples, path=str(path))
 
 

@@ -97,7 +97,7 @@ def score(cfg: C.Config, model, knobs, head, tok, samples) -> Scored:
             for k, v in (("mask", seqs.completion_mask), ("logp_old", logp), ("values_old", values),
                          ("logp_ref", logp_ref)):
                 out[k][c:c + len(mb), :seqs.T] = v.cpu()
-    logp_b = pad_right([s.logp_behaviour or [] for s in samples], T)
+    logp_b = pad_right([s.logp_behaviour for s in samples], T)
     return Scored(**out, logp_b=logp_b, is_student=torch.tensor([s.student for s in samples]))
 
 

@@ -61,7 +61,7 @@ def grpo_backward(cfg: C.Config, model, knobs, score, tok, batch: batches.Batch,
         seqs = score.pack([s.prompt_ids for s in mb], [s.completion_ids for s in mb], tok.pad_token_id,
                           mb_student).to(cfg.model.device)
         mask = seqs.completion_mask  # (N, T)
-        logp_b = pad_right([s.logp_behaviour or [] for s in mb], seqs.T).to(mask.device)  # (N, T)
+        logp_b = pad_right([s.logp_behaviour for s in mb], seqs.T).to(mask.device)  # (N, T)
         if cfg.loss.beta > 0:  # at beta 0 the KL term has no weight: no reference forward at all
             with torch.inference_mode(), knobs.zeroed():  # the free reference: knobs zeroed = base model
                 logp_ref, _ = score.logprobs(model, seqs, temperature=cfg.rollout.temperature)

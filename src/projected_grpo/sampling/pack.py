@@ -118,10 +118,13 @@ def pack(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[
                     completion_mask=c_mask.float())
 
 
-def pad_right(rows: Sequence[Sequence[float] | Tensor], T: int, value: float = 0.0) -> Tensor:
-    """(N, T) float32 of per-token values (e.g. behaviour log-probs) aligned with SeqBatch.completion_mask."""
+def pad_right(rows: Sequence[Sequence[float] | Tensor | None], T: int, value: float = 0.0) -> Tensor:
+    """(N, T) float32 of per-token values (e.g. behaviour log-probs) aligned with SeqBatch.completion_mask; a
+    None row (a template teacher row has no behaviour log-probs) is all `value`."""
     out = torch.full((len(rows), T), value, dtype=torch.float32)
     for i, r in enumerate(rows):
+        if r is None:
+            continue
         r = torch.as_tensor(r, dtype=torch.float32)
         if r.numel() > T:
             raise ValueError(f"pad_right: row {i} has {r.numel()} values but the batch is only T={T} wide")

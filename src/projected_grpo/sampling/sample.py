@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from projected_grpo.envs.base import Graded
 from projected_grpo.sampling.generate import generate
@@ -25,8 +26,9 @@ class Sample:
     """One graded completion of a group, student or teacher: what the loss packs and the metrics count.
 
     prompt_ids / completion_ids: token ids exactly as packed (EOS included when emitted or stored).
-    text: the decoded completion the environment graded. logp_behaviour: per completion token, the
-    log-prob it was sampled under (None for template teacher rows). truncated: hit max_new_tokens.
+    text: the decoded completion the environment graded. logp_behaviour: (T_c,) float32, per completion
+    token the log-prob it was sampled under, as the sampler returned it (a pool row's JSON list becomes this
+    tensor at the pool's edge; None for template teacher rows). truncated: hit max_new_tokens.
     student: sampled live by the policy (False: a frozen teacher pool row).
     """
 
@@ -35,7 +37,7 @@ class Sample:
     prompt_ids: list[int]
     completion_ids: list[int]
     text: str
-    logp_behaviour: list[float] | None
+    logp_behaviour: Tensor | None
     truncated: bool
     student: bool
     grade: Graded
@@ -66,6 +68,6 @@ def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapp
         clock["generate"] = clock.get("generate", 0.0) + t1 - t0
         clock["grade"] = clock.get("grade", 0.0) + time.perf_counter() - t1
     return [Sample(problem_id=p.id, mode=p.mode, prompt_ids=ro.prompt_ids[i],
-                   completion_ids=ro.completion_ids[i], text=texts[i], logp_behaviour=ro.logp[i].tolist(),
+                   completion_ids=ro.completion_ids[i], text=texts[i], logp_behaviour=ro.logp[i],
                    truncated=bool(ro.truncated[i]), student=True, grade=grades[i])
             for i, p in enumerate(owners)]
