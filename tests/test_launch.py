@@ -224,6 +224,15 @@ def test_study_without_teacher_rows_trains_equal_configs_once_and_folds_borrow_n
     assert "`none`: main's runs" in fold and str(out / "main" / "none-s0") in fold
     sweep = json.loads((out / "main" / "sweep.json").read_text())
     assert sweep["same"] == {"no_pool": "none"}
+    # a study read while it trains: --report-only trains nothing, reports the finished runs, names the rest
+    (out / "main" / "erase-s0" / "summary.json").unlink()
+    assert preregistered.main([*argv, "--report-only"]) == 0
+    md = (out / "report.md").read_text()
+    assert "**Partial** (`--report-only`)" in md and "| erase | 1 |" not in md and "| no_pool | 1 |" in md
+    assert "PARTIAL: written with `--report-only` while runs were still missing: erase (missing 1 of 1)" in (
+        out / "main" / "report.md").read_text()
+    assert "--report-only" not in md.split("```")[1]  # the command to resume trains
+    assert not (out / "main" / "erase-s0" / "summary.json").exists()  # nothing trained
 
 
 # --- slow: a sweep owns its runs (SIGKILL or SIGTERM to it stops them; the same command resumes) -----------

@@ -119,9 +119,12 @@ def trained_runs(base: C.Config, todo: Sequence[Part], seeds: Sequence[int]) -> 
 def study(base: C.Config, seeds: Sequence[int], out: str | pathlib.Path, *, preset: str, command: str,
           arms: Sequence[str] = PREREGISTERED_ARMS, lomo_arms: Sequence[str] = LOMO_ARMS,
           lomo_modes: Sequence[str] | None = None, bench_arms: Sequence[str] = (), jobs: int = 0,
-          backend: str = "local", ray_address: str = "", log=experiment._stderr) -> str:
+          backend: str = "local", ray_address: str = "", report_only: bool = False,
+          log=experiment._stderr) -> str:
     """Plan every part, train every run not finished yet, write each part's report and the study's;
-    returns the printed summary (the table of every arm and fold, the verdicts)."""
+    returns the printed summary (the table of every arm and fold, the verdicts). report_only: train
+    nothing; the reports hold the runs finished so far (finished: summary.json written), each part saying
+    which are missing (a study that takes days can be read while it trains)."""
     t0 = time.perf_counter()
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,13 +163,37 @@ def study(base: C.Config, seeds: Sequence[int], out: str | pathlib.Path, *, pres
         planned.append((part, runs, dirs, notes))
     all_runs = [r for _, runs, _, _ in planned for r in runs]
     log(f"[study] {len(all_runs)} runs in {len(todo)} parts at {time.perf_counter() - t0:.0f} s")
+    if report_only:
+        planned, counts = finished_only(planned), {"trained": 0, "resumed": 0, "skipped": 0}
+        if not planned:
+            raise UserError(f"{out}: no part has a finished run of `none` and another arm yet; nothing to "
+                            "report (a run is finished once its summary.json is written)")
+        return write_study_report(out, planned, base, preset=preset, command=command, counts=counts,
+                                  elapsed_s=time.perf_counter() - t0, partial=True)
     counts = launch.run_all(all_runs, None, log, jobs=jobs, backend=backend, ray_address=ray_address)
     return write_study_report(out, planned, base, preset=preset, command=command, counts=counts,
                               elapsed_s=time.perf_counter() - t0)
 
 
+def finished_only(planned: list) -> list:
+    """`planned` with each arm's run dirs cut to the finished ones (summary.json written), the arms with none
+    dropped, a note naming what is missing, and the parts left without `none` and one other arm dropped."""
+    out = []
+    for part, runs, dirs, notes in planned:
+        done = {a: [d for d in ds if (pathlib.Path(d) / "summary.json").is_file()] for a, ds in dirs.items()}
+        missing = [f"{a} (missing {len(ds) - len(done[a])} of {len(ds)})" for a, ds in dirs.items()
+                   if len(done[a]) < len(ds)]
+        done = {a: ds for a, ds in done.items() if ds}
+        if "none" not in done or len(done) < 2:
+            continue
+        note = (f"PARTIAL: written with `--report-only` while runs were still missing: {', '.join(missing)}; "
+                "rerun the study's command to train them" if missing else "every planned run has finished")
+        out.append((part, runs, done, [note, *notes]))
+    return out
+
+
 def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, preset: str, command: str,
-                       counts: dict[str, int], elapsed_s: float) -> str:
+                       counts: dict[str, int], elapsed_s: float, partial: bool = False) -> str:
     """Each part's report.md (report.write_report), then out/report.md: links to the parts, one table of every
     arm and fold, the verdicts per part (each against its own `none`). The main part's F6 (capability lost on
     the held-out mode) reads every fold; a fold's reads its own mode. Returns the printed summary."""
@@ -175,8 +202,9 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
     verdicts = []
     folds = {part.lomo: tables.aggregate_modes(by_arm) for part, _, by_arm, _ in planned if part.lomo}
     for part, _, by_arm, notes in planned:
-        n_seeds = len(next(iter(by_arm.values())))
-        title = f"{preset} study, part {part.name}: {', '.join(part.arms)} x {n_seeds} seed(s)"
+        n_seeds = max(len(d) for d in by_arm.values())
+        title = (f"{preset} study, part {part.name}: {', '.join(part.arms)} x {n_seeds} seed(s)"
+                 + (" (partial)" if partial else ""))
         part_folds = folds if not part.lomo else {}
         report.write_report(out / part.name, by_arm, title=title, config_diff=diff,
                             arm_overrides={a: arms_table.describe_arm(a) for a in by_arm}, command=command,
@@ -197,10 +225,13 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
             store.write_text_atomic(out / part.name / "bench.md", "\n".join(bench_md) + "\n")
     table = report.results_table(tables.aggregate(rows))
     n_runs = sum(len(runs) for _, runs, _, _ in planned)
+    ran = (f"{n_runs} runs; this invocation trained {counts['trained']}, resumed {counts['resumed']}, "
+           f"skipped {counts['skipped']} as finished, in {elapsed_s:.0f} s wall time.")
+    if partial:
+        ran = ("**Partial** (`--report-only`): the runs finished so far; each part's report names the "
+               "missing ones. Rerun the command without `--report-only` to train them.")
     md = [f"# The preregistered study on the `{preset}` preset", "", "Reproduce (rerun to resume):", "",
-          "```", command, "```", "",
-          f"{n_runs} runs; this invocation trained {counts['trained']}, resumed {counts['resumed']}, skipped "
-          f"{counts['skipped']} as finished, in {elapsed_s:.0f} s wall time.", "", "## Parts", ""]
+          "```", command, "```", "", ran, "", "## Parts", ""]
     held = lambda p: f"`{p.lomo}` held out of the teacher pool and of V_hack's pairs; " if p.lomo else ""
     borrowed = lambda p: f" (borrowed from main: {', '.join(p.borrowed)})" if p.borrowed else ""
     md += [f"- [{p.name}]({p.name}/report.md): {held(p)}arms {', '.join(p.arms)}{borrowed(p)}"
@@ -243,6 +274,9 @@ class StudyOpts(presets.Base):
     """`local` (this machine) or `ray` (each run a Ray task; pip install 'projected-grpo[ray]')"""
     ray_address: str = ""
     """--backend ray: the cluster (`auto`, or ray://HOST:10001); empty = a local Ray instance"""
+    report_only: bool = False
+    """train nothing: write the reports from the runs finished so far, naming the missing ones (read a study
+    while it trains, from another shell)"""
 
 
 def main(argv: list[str]) -> int:
@@ -257,8 +291,9 @@ def main(argv: list[str]) -> int:
     bench_arms = list(BENCH_ARMS) if opts.interventions.strip() == "all" else split(opts.interventions)
     parts(base, lomo_arms, modes, arms, bench_arms)  # refuse bad arms / modes before any work
     out = opts.out or f"runs/study-{opts.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
-    command = shlex.join(["projected-grpo", "study", *argv, *([] if opts.out else ["--out", out])])
+    resume = [a for a in argv if a not in ("--report-only", "--report-only=True")]
+    command = shlex.join(["projected-grpo", "study", *resume, *([] if opts.out else ["--out", out])])
     print(study(base, list(range(opts.seeds)), out, preset=opts.preset, command=command, arms=arms,
                 lomo_arms=lomo_arms, lomo_modes=modes, bench_arms=bench_arms, jobs=opts.jobs,
-                backend=opts.backend, ray_address=opts.ray_address))
+                backend=opts.backend, ray_address=opts.ray_address, report_only=opts.report_only))
     return 0
