@@ -104,22 +104,21 @@ SMOLLM2_GPU = Config(
     run=RunCfg(steps=60, checkpoint_every=20, threads=0),
 )
 
-# SmolLM2-135M-Instruct trained honestly on the arithmetic curriculum (maths environment, strict verifier),
-# sized for a real experiment on a CPU: 4 prompts x a group of 8 per step, answers within 32 tokens, the
-# students sampled from bf16 weights (rollout.sample_dtype: sampling/packed.py; sample/kl logs the ratio
-# that leaves uncorrected), SVD knobs of rank 16 (low-rank: trained unmerged, no W_eff held; 3360 knob
-# values, so V_hack's per-pair gradients stay small: LoRA r16's are 2.5M per pair), held-out accuracy on
-# 50 level-3 problems every 10 steps. lr and length are a starting point, not calibrated. Measured on an
-# AMD EPYC 2-core VM (1 thread, the cores shared): 10.0 s per step (4.2 s sampling, 5.5 s training), and
-# 333 s once for V_hack's 200 pairs on first use; the roofline fraction: docs/benchmarks.md ("Current
-# figures").
+# SmolLM2-135M-Instruct trained honestly on arithmetic (maths environment, strict verifier), sized for a real
+# experiment on a CPU: 4 prompts x a group of 8 per step, answers within 32 tokens, the students sampled from
+# bf16 weights (rollout.sample_dtype: sampling/packed.py; sample/kl logs the ratio that leaves uncorrected),
+# SVD knobs of rank 16 (low-rank: trained unmerged, no W_eff held; 3360 knob values, so V_hack's per-pair
+# gradients stay small: LoRA r16's are 2.5M per pair), held-out accuracy on 50 problems of the training
+# levels every 10 steps. Levels 1-2 and lr 0.1 are where the honest reward trains it (docs/findings.md
+# 8.7-8.9: on level 3 almost no sample is solved; at lr 3e-3 the knobs barely move SmolLM2's singular values).
+# Step time and the roofline fraction: docs/benchmarks.md ("Current figures").
 SMOLLM2_MATH_CPU = Config(
     model=ModelCfg(source="hf", path="smollm2", knob="svd", rank=16),
     env=EnvCfg(name="maths", problems="arithmetic", modes=("strict",), curriculum_steps=10, eval_size=50,
-               max_problems=200, warmup_levels=(1, 2), train_levels=(3,)),
+               max_problems=200, warmup_levels=(1, 2), train_levels=(1, 2)),
     rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.0, max_new_tokens=32, sample_dtype="bfloat16"),
     proj=ProjCfg(pairs_per_problem=1),
-    optim=OptimCfg(lr=3e-3, betas=(0.9, 0.99), warmup_steps=3),
+    optim=OptimCfg(lr=0.1, betas=(0.9, 0.99), warmup_steps=3),
     run=RunCfg(steps=200, checkpoint_every=25, eval_every=10),
 )
 
