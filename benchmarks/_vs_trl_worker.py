@@ -162,10 +162,10 @@ def run_ours(spec: dict) -> dict:
     metrics.MetricsLogger.log = timed_log
     run_dir = pathlib.Path(spec["tmp"]) / f"ours-{os.getpid()}"
     adv = {"dr_grpo": "dr_grpo", "grpo": "grpo"}[spec["loss"]]  # TRL pairs dr_grpo with scale_rewards=none
-    # rollout.share_prefix exists from issue 18 on; an older commit's src can be benchmarked and profiled too
+    # rollout.share_prefix is newer than some commits benchmarked (step_before_after.py): passed where known
     has_share = "share_prefix" in C.RolloutCfg.__dataclass_fields__
     share = {"share_prefix": spec["share_prefix"]} if has_share else {}
-    if spec.get("sample_dtype", "model") != "model":  # rollout.sample_dtype exists from issue 31 on
+    if spec.get("sample_dtype", "model") != "model":  # rollout.sample_dtype (newer still): only when set
         share["sample_dtype"] = spec["sample_dtype"]
     cfg = C.Config(
         model=C.ModelCfg(source="hf", path=spec["model_dir"], cache_dir=spec["cache_dir"], knob=spec["knob"],

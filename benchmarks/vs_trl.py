@@ -249,7 +249,7 @@ def versions() -> str:
     return f"python {platform.python_version()}, {pkgs}; {platform.machine()}, {os.cpu_count()} cores"
 
 
-# pairing -> (ours' knob and rank, TRL's LoRA rank: 0 = full fine-tuning) on a real model (issue 18 item 5)
+# pairing -> (ours' knob and rank, TRL's LoRA rank: 0 = full fine-tuning) on a real model (docs/benchmarks.md)
 PAIRINGS = {"lora16": (("lora", 16), 16), "svd16": (("svd", 16), 16), "full_ref": (("svd", 16), 0)}
 
 

@@ -19,7 +19,7 @@ from projected_grpo import config as C
 from projected_grpo import presets
 from projected_grpo.cli import main
 from projected_grpo.errors import UserError
-from projected_grpo.run import metrics
+from projected_grpo.run import checkpoint, metrics
 from projected_grpo.study import experiment, launch, preregistered
 
 TIME_KEYS = ("time/generate", "time/grade", "time/backward", "time/step")
@@ -259,7 +259,7 @@ def _wait_for(cond, what: str, timeout: float = 240.0) -> None:
 
 
 def _last_ckpt(run_dir: pathlib.Path) -> int:
-    return max((int(p.name.split("-")[1]) for p in run_dir.glob("ckpt-*") if p.is_dir()), default=-1)
+    return max((step for step, _ in checkpoint.checkpoints(run_dir)), default=-1)
 
 
 @pytest.mark.slow

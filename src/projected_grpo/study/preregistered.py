@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from projected_grpo import config as C
 from projected_grpo import presets, store
 from projected_grpo.errors import UserError
+from projected_grpo.run import metrics
 from projected_grpo.study import arms as arms_table
 from projected_grpo.study import bench, experiment, launch, report, tables
 from projected_grpo.study import verdict_text as VT
@@ -180,7 +181,8 @@ def finished_only(planned: list) -> list:
     dropped, a note naming what is missing, and the parts left without `none` and one other arm dropped."""
     out = []
     for part, runs, dirs, notes in planned:
-        done = {a: [d for d in ds if (pathlib.Path(d) / "summary.json").is_file()] for a, ds in dirs.items()}
+        finished = lambda d: (pathlib.Path(d) / metrics.SUMMARY_FILE).is_file()
+        done = {a: [d for d in ds if finished(d)] for a, ds in dirs.items()}
         missing = [f"{a} (missing {len(ds) - len(done[a])} of {len(ds)})" for a, ds in dirs.items()
                    if len(done[a]) < len(ds)]
         done = {a: ds for a, ds in done.items() if ds}
