@@ -361,8 +361,9 @@ def main() -> None:
     med = statistics.median
     summary = {}
     gpu = opt.device.startswith("cuda")
+    gpu_head = f"{'gpu MB':>8}" if gpu else ""
     print(f"\n{'loss':>7} {'beta':>5} {'trainer':>13} {'step s':>7} {'cpu s':>6} {'tok/s':>6} {'rss MB':>7} "
-          f"{'tree MB':>7}{'gpu MB' if gpu else '':>{8 if gpu else 0}}   ours: generate / backward s")
+          f"{'tree MB':>7}{gpu_head}   ours: generate / backward s")
     for (loss, beta, name), runs in res.items():
         steps = [s for r in runs for s in r["step_s"][1:]]
         toks = [t / s for r in runs for t, s in zip(r["tokens"][1:], r["step_s"][1:])]
