@@ -145,7 +145,9 @@ def test_wandb_offline_gets_every_number_and_a_resume_continues_its_run(tmp_path
         with MetricsLogger(tmp_path, ("wandb",), {"run": {"seed": 0}}) as log:
             log.log(step, {"reward/mean": 0.5 + step, "teacher/mode": "exclude"})
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))
-    assert runs and all(r.name.endswith(run_id(tmp_path)) for r in runs)  # one run id for the directory
+    # one run id for the directory; wandb names a second process's folder in the same second "<id>-1"
+    assert runs and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id(tmp_path)}(-\d+)?", r.name)
+                        for r in runs), [r.name for r in runs]
     assert run_id(tmp_path) == run_id(tmp_path / "." ) and run_id(tmp_path) != run_id(tmp_path / "x")
 
 
