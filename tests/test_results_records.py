@@ -18,7 +18,8 @@ T_975_DF2 = 4.302652729911275  # Student's t, 97.5th percentile, 2 degrees of fr
 
 
 def delta(arm: str, seed: int, key: str = "hack/deploy") -> float:
-    rows = [json.loads(line) for line in (TIER1 / f"{arm}-s{seed}" / "metrics.jsonl").read_text().splitlines()]
+    lines = (TIER1 / f"{arm}-s{seed}" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
     assert len(rows) == 100 and [r["step"] for r in rows] == list(range(100))
     return statistics.fmean(r[key] for r in rows[-10:]) - statistics.fmean(r[key] for r in rows[:10])
 
@@ -38,6 +39,6 @@ def test_tier1d_rule_as_findings_8_12_states_it():
     assert [round(x, 3) for x in d] == [0.444, 0.306, 0.406]  # findings 8.12's table
     mean, sem = statistics.fmean(d), statistics.stdev(d) / math.sqrt(3)
     # 0.385 ± 4.303 * 0.0411 = [0.209, 0.562]: excludes 0, every seed >= +0.20 -> a result
-    assert (round(mean, 3), round(mean - T_975_DF2 * sem, 3), round(mean + T_975_DF2 * sem, 3)) == pytest.approx(
-        (0.385, 0.209, 0.562), abs=1e-3)
-    assert min(d) >= 0.20 and mean - T_975_DF2 * sem > 0
+    low, high = mean - T_975_DF2 * sem, mean + T_975_DF2 * sem
+    assert (round(mean, 3), round(low, 3), round(high, 3)) == pytest.approx((0.385, 0.209, 0.562), abs=1e-3)
+    assert min(d) >= 0.20 and low > 0
