@@ -127,7 +127,8 @@ def test_sums_over_two_gloo_ranks_are_hand_computed_and_identical(tmp_path):
 
 def _sample(pid: str, reward: float, student: bool, hack: bool) -> Sample:
     g = Graded(reward, reward, passed=hack, solved=False, exploited=hack, format_ok=True)
-    return Sample(pid, "run_tests", [1, 2], [3, 4, 5][: 1 + int(reward)], "x", None, False, student, g)
+    completion = torch.tensor([3, 4, 5][: 1 + int(reward)])
+    return Sample(pid, "run_tests", torch.tensor([1, 2]), completion, "x", None, False, student, g)
 
 
 def test_merge_of_rank_batches_is_the_global_batch():
@@ -171,11 +172,12 @@ def test_prompt_seeds_make_samples_independent_of_the_batch():
     kw = dict(max_new_tokens=6, temperature=1.0, eos_id=1, pad_id=0)
     both = generate(model, [p0, p1], 3, seed=[11, 22], **kw)
     alone = generate(model, [p1], 3, seed=[22], **kw)
-    assert both.completion_ids[3:] == alone.completion_ids  # rows 3..5 are p1's three samples
+    assert all(map(torch.equal, both.completion_ids[3:], alone.completion_ids))  # rows 3..5: p1's samples
     # another batch composition is another matmul shape: equal log-probs only to float rounding on some
     # CPUs (bitwise on Intel's MKL path, last bits off on AMD's), docs/reproducibility.md
     torch.testing.assert_close(torch.cat(both.logp[3:]), torch.cat(alone.logp), rtol=1e-5, atol=1e-5)
-    assert generate(model, [p1], 3, seed=22, **kw).completion_ids == alone.completion_ids  # 1 seed, 1 gen
+    assert all(map(torch.equal, generate(model, [p1], 3, seed=22, **kw).completion_ids,
+                   alone.completion_ids))  # 1 seed, 1 gen
     with pytest.raises(ValueError, match="3 seeds for 2 prompts"):
         generate(model, [p0, p1], 3, seed=[1, 2, 3], **kw)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from projected_grpo.envs.base import Graded
 from projected_grpo.sampling.generate import Rollout, generate, step_seed
 from projected_grpo.sampling.kv_cache import cache_of, with_cache
 from projected_grpo.sampling.pack import (
@@ -20,6 +23,7 @@ from projected_grpo.sampling.pack import (
     pad_right,
     position_ids_from_mask,
 )
+from projected_grpo.sampling.sample import sample_and_grade
 from projected_grpo.sampling.samplers import SAMPLERS
 from projected_grpo.sampling.score import accepts_logits_to_keep, forward_logprobs
 
@@ -60,6 +64,11 @@ def model(request):
 
 
 PROMPTS = [[3, 5, 6, 4], [7, 4], [8, 9, 10, 11, 12, 4]]
+
+
+def lists(rows) -> list[list[int]]:
+    """A Rollout's id tensors as int lists, to compare whole rollouts with ==."""
+    return [r.tolist() for r in rows]
 
 
 # --- ids ---------------------------------------------------------------------------------------
@@ -111,6 +120,12 @@ def test_pack_invariants(rows):
         assert b.input_ids[i, -b.T:][: len(c)].tolist() == c
         assert int(b.completion_mask[i].sum()) == len(c)
     assert isinstance(b, SeqBatch) and b.input_ids.shape[1] == b.attention_mask.shape[1]
+    # 1-D long tensors (what the library passes) pack bit for bit as the int lists do
+    t = pack([torch.tensor(p) for p, _ in rows], [torch.tensor(c) for _, c in rows], pad_id=0)
+    assert all(torch.equal(getattr(t, f), getattr(b, f)) for f in ("input_ids", "attention_mask",
+                                                                      "completion_mask"))
+    assert all(torch.equal(x, y) for x, y in zip(left_pad([torch.tensor(p) for p, _ in rows], 6, 0),
+                                                 left_pad([p for p, _ in rows], 6, 0)))
 
 
 def test_pad_right():
@@ -141,21 +156,61 @@ def test_generate_is_seeded_and_leaves_global_rng_alone(model):
     a = generate(model, PROMPTS, 4, seed=11, **kw)
     b = generate(model, PROMPTS, 4, seed=11, **kw)
     c = generate(model, PROMPTS, 4, seed=12, **kw)
-    assert a.completion_ids == b.completion_ids
+    assert lists(a.completion_ids) == lists(b.completion_ids)
     assert all(torch.equal(x, y) for x, y in zip(a.logp, b.logp))
-    assert a.completion_ids != c.completion_ids
+    assert lists(a.completion_ids) != lists(c.completion_ids)
     assert torch.equal(torch.get_rng_state(), before)
     # prompt-major rows: row b * n_samples + g belongs to prompt b
-    assert a.prompt_ids == [p for p in PROMPTS for _ in range(4)]
+    assert lists(a.prompt_ids) == [p for p in PROMPTS for _ in range(4)]
+
+
+def test_rollout_ids_are_long_cpu_tensors_and_a_prompt_is_one_tensor(model):
+    given = [torch.tensor(p) for p in PROMPTS]
+    ro = generate(model, given, 2, max_new_tokens=4, seed=0, eos_id=EOS, pad_id=PAD)
+    for t in (*ro.prompt_ids, *ro.completion_ids):
+        assert isinstance(t, torch.Tensor) and t.dtype == torch.long and t.dim() == 1
+        assert t.device.type == "cpu"
+    # a prompt given as a tensor is carried as that very tensor by each of its rows (nothing copies it)
+    assert all(ro.prompt_ids[2 * b] is ro.prompt_ids[2 * b + 1] is given[b] for b in range(len(PROMPTS)))
+    # each completion owns its storage (not a view of the decode's buffer)
+    assert all(c.untyped_storage().nbytes() == c.numel() * 8 for c in ro.completion_ids)
+    with_lists = generate(model, PROMPTS, 2, max_new_tokens=4, seed=0, eos_id=EOS, pad_id=PAD)
+    assert lists(with_lists.completion_ids) == lists(ro.completion_ids)
+    with pytest.raises(ValueError, match="1-D"):
+        generate(model, [torch.tensor([PROMPTS[0]])], 1, max_new_tokens=2, seed=0, eos_id=EOS, pad_id=PAD)
+
+
+def test_sample_and_grade_samples_carry_the_prompt_tensor_and_long_completions(model):
+    class Tok:  # decodes what it is given, as a tokenizer would (int lists)
+        eos_token_id, pad_token_id = EOS, PAD
+
+        def batch_decode(self, rows, skip_special_tokens):
+            assert all(type(r) is list and all(type(t) is int for t in r) for r in rows)
+            return [" ".join(map(str, r)) for r in rows]
+
+    class Env:
+        def grade(self, texts, owners):
+            return [Graded(0.0, 0.0, False, False, False, True) for _ in texts]
+
+    probs = [SimpleNamespace(id=f"p{b}", mode="m") for b in range(len(PROMPTS))]
+    table = {p.id: torch.tensor(ids) for p, ids in zip(probs, PROMPTS)}
+    got = sample_and_grade(model, Tok(), Env(), probs, table, 3, max_new_tokens=4, seed=5)
+    ro = generate(model, PROMPTS, 3, max_new_tokens=4, seed=5, eos_id=EOS, pad_id=PAD)
+    for i, s in enumerate(got):
+        assert s.prompt_ids is table[s.problem_id]  # the table's tensor itself, shared by the group
+        assert s.completion_ids.dtype == torch.long and s.completion_ids.dim() == 1
+        assert torch.equal(s.completion_ids, ro.completion_ids[i]) and s.text == " ".join(
+            map(str, ro.completion_ids[i].tolist()))
 
 
 def test_generate_stops_at_eos_and_flags_truncation(model):
     free = generate(model, PROMPTS, 1, max_new_tokens=8, temperature=0, seed=0, eos_id=[], pad_id=PAD)
     assert free.truncated.all() and all(len(c) == 8 for c in free.completion_ids)
-    eos = free.completion_ids[0][2]  # make row 0's third greedy token the EOS
-    first = free.completion_ids[0].index(eos)
+    eos = int(free.completion_ids[0][2])  # make row 0's third greedy token the EOS
+    first = free.completion_ids[0].tolist().index(eos)
     out = generate(model, PROMPTS, 1, max_new_tokens=8, temperature=0, seed=0, eos_id=eos, pad_id=PAD)
-    for row_free, row, trunc in zip(free.completion_ids, out.completion_ids, out.truncated.tolist()):
+    for row_free, row, trunc in zip(lists(free.completion_ids), lists(out.completion_ids),
+                                    out.truncated.tolist()):
         if eos in row_free:  # stops at the first EOS, includes it, nothing after it
             assert row == row_free[: row_free.index(eos) + 1] and not trunc
         else:
@@ -165,7 +220,7 @@ def test_generate_stops_at_eos_and_flags_truncation(model):
 
 def test_sampled_rows_end_at_eos_or_are_truncated(model):
     out = generate(model, PROMPTS, 8, max_new_tokens=5, temperature=1.5, seed=3, eos_id=[EOS, 7], pad_id=PAD)
-    for row, trunc in zip(out.completion_ids, out.truncated.tolist()):
+    for row, trunc in zip(lists(out.completion_ids), out.truncated.tolist()):
         eos_at = [i for i, t in enumerate(row) if t in (EOS, 7)]
         assert eos_at == ([] if trunc else [len(row) - 1])
         assert trunc == (len(row) == 5 and not eos_at)
@@ -176,11 +231,12 @@ def test_batched_greedy_equals_one_by_one_and_hf_generate(model):
     batched = generate(model, PROMPTS, 2, max_new_tokens=6, temperature=0, seed=0, eos_id=EOS, pad_id=PAD)
     for b, p in enumerate(PROMPTS):
         alone = generate(model, [p], 1, max_new_tokens=6, temperature=0, seed=0, eos_id=EOS, pad_id=PAD)
-        assert batched.completion_ids[2 * b] == batched.completion_ids[2 * b + 1] == alone.completion_ids[0]
+        row = alone.completion_ids[0].tolist()
+        assert batched.completion_ids[2 * b].tolist() == batched.completion_ids[2 * b + 1].tolist() == row
         torch.testing.assert_close(batched.logp[2 * b], alone.logp[0], atol=1e-5, rtol=1e-5)
         hf = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                             do_sample=False, max_new_tokens=6, eos_token_id=EOS, pad_token_id=PAD)
-        assert hf[0, len(p):].tolist()[: len(alone.completion_ids[0])] == alone.completion_ids[0]
+        assert hf[0, len(p):].tolist()[: len(row)] == row
 
 
 def test_tiny_top_p_is_greedy(model):
@@ -188,7 +244,7 @@ def test_tiny_top_p_is_greedy(model):
     greedy = generate(model, PROMPTS, 1, max_new_tokens=5, temperature=0, seed=0, eos_id=EOS, pad_id=PAD)
     nucleus = generate(model, PROMPTS, 1, max_new_tokens=5, temperature=1.0, top_p=1e-6, seed=5,
                        eos_id=EOS, pad_id=PAD)
-    assert nucleus.completion_ids == greedy.completion_ids
+    assert lists(nucleus.completion_ids) == lists(greedy.completion_ids)
 
 
 def test_behaviour_logp_matches_scoring_forward(model):
@@ -204,7 +260,8 @@ def test_behaviour_logp_matches_scoring_forward(model):
 def generate_before(model, prompt_ids, n_samples, *, max_new_tokens, temperature=1.0, top_p=1.0, seed,
                     eos_id, pad_id):
     """generate's decode loop before the preallocated KV cache and mask (commit e500c43), verbatim but for
-    the argument checks: the oracle that pins the sampled stream (same ids, same log-probs, bit for bit)."""
+    the argument checks and its ids returned as tensors: the oracle that pins the sampled stream (same ids,
+    same log-probs, bit for bit)."""
     pick = SAMPLERS["greedy" if temperature == 0 else "sample"]
     device = next(model.parameters()).device
     eos = torch.as_tensor(eos_id, dtype=torch.long, device=device).reshape(-1)
@@ -234,7 +291,8 @@ def generate_before(model, prompt_ids, n_samples, *, max_new_tokens, temperature
         cur = tok[:, None]
         mask = torch.cat([mask, torch.ones((N, 1), dtype=mask.dtype)], 1)
         pos = pos[:, -1:] + 1
-    return Rollout(prompt_ids=rows, completion_ids=[toks[i, :lens[i]].tolist() for i in range(N)],
+    return Rollout(prompt_ids=[torch.tensor(r) for r in rows],
+                   completion_ids=[toks[i, :lens[i]].clone() for i in range(N)],
                    logp=[logps[i, :lens[i]].clone() for i in range(N)], truncated=~done)
 
 
@@ -245,9 +303,9 @@ def test_generate_keeps_the_sampled_stream_of_the_previous_loop(model, kv_cache,
     kw = {"max_new_tokens": 12, "seed": 21, "eos_id": EOS, "pad_id": PAD, **setting}
     want = generate_before(model, PROMPTS, 5, **kw)
     got = generate(model, PROMPTS, 5, kv_cache=kv_cache, **kw)
-    assert got.completion_ids == want.completion_ids
+    assert lists(got.completion_ids) == lists(want.completion_ids)
     assert all(torch.equal(a, b) for a, b in zip(got.logp, want.logp))  # bit for bit, not just close
-    assert torch.equal(got.truncated, want.truncated) and got.prompt_ids == want.prompt_ids
+    assert torch.equal(got.truncated, want.truncated) and lists(got.prompt_ids) == lists(want.prompt_ids)
     if "eos_id" in setting:  # rows stop at different steps: the cache and mask views are exercised
         assert len({len(c) for c in got.completion_ids}) > 1
 

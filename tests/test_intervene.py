@@ -58,7 +58,7 @@ def test_stages_on_a_hand_made_verdict():
 
 def _sample(exploited: bool, student: bool = True) -> Sample:
     g = Graded(1.25 if exploited else 0.0, 0.0, exploited, False, exploited, True)
-    return Sample("p", "run_tests", [1], [2], "x", None, False, student, g)
+    return Sample("p", "run_tests", torch.tensor([1]), torch.tensor([2]), "x", None, False, student, g)
 
 
 def test_rates_are_over_the_student_rows():
@@ -95,7 +95,7 @@ def test_inoculation_trains_under_its_prompt_and_deploys_under_the_normal_one(tm
     real = B.sample_and_grade
 
     def spy(model, tok, env, problems, prompt_ids, *a, **kw):
-        seen.append({p.id: list(prompt_ids[p.id]) for p in problems})
+        seen.append({p.id: prompt_ids[p.id] for p in problems})
         return real(model, tok, env, problems, prompt_ids, *a, **kw)
 
     monkeypatch.setattr(B, "sample_and_grade", spy)
@@ -110,9 +110,9 @@ def test_inoculation_trains_under_its_prompt_and_deploys_under_the_normal_one(tm
     T.train(small(tmp_path, "inoc", monitor={"intervention": "inoculation"}, run={"steps": 1}))
     data = got["data"]
     pid = next(iter(seen[0]))
-    assert data.train_prompt_ids[pid] != data.prompt_ids[pid]  # the inoculation prompt differs ...
-    assert seen[0][pid] == data.train_prompt_ids[pid]  # ... the students sample under it ...
-    assert seen[1][pid] == data.prompt_ids[pid]  # ... the deployed model under the normal one
+    assert not torch.equal(data.train_prompt_ids[pid], data.prompt_ids[pid])  # the inoculation prompt ...
+    assert torch.equal(seen[0][pid], data.train_prompt_ids[pid])  # ... the students sample under it ...
+    assert torch.equal(seen[1][pid], data.prompt_ids[pid])  # ... the deployed model under the normal one
 
 
 def test_screen_gives_flagged_rows_no_gradient(tmp_path, monkeypatch):

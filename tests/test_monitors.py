@@ -32,7 +32,8 @@ def _grade(exploited: bool, **extras: bool) -> Graded:
 
 
 def _sample(grade, prompt=(5, 6), completion=(7, 8, 1)) -> Sample:
-    return Sample("p", "run_tests", list(prompt), list(completion), "x", None, False, True, grade)
+    ids = torch.tensor(prompt), torch.tensor(completion)
+    return Sample("p", "run_tests", *ids, "x", None, False, True, grade)
 
 
 class Poison:
@@ -189,7 +190,8 @@ def test_probe_is_fitted_on_other_prompts_and_never_reads_a_grade(tmp_path):
     assert 0.0 <= lo <= hi <= 1.0 and r["prompts_heldout"] == 3  # round(0.25 * 12) prompts held out
     # its labelled completions' prompts: the same problems under the next loophole mode, none trained on
     rows = monitors.probe_rows(inp)
-    assert not {tuple(p) for _, p, _, _ in rows} & inp.trained_prompts
+    assert all(p.dtype == c.dtype == torch.long for _, p, c, _ in rows)
+    assert not {tuple(p.tolist()) for _, p, _, _ in rows} & inp.trained_prompts
     # scoring rollouts whose grades raise when read
     tok = inp.tokenizer
     prob = inp.train_problems[0]
@@ -225,7 +227,7 @@ def test_direction_score_is_V_dot_the_rollouts_own_nll_gradient(tmp_path):
     g_h, g_c = pair_grads_isolated(inp.model, inp.knobs, tok, [pair], "mean", 1.0)
     want = [sum(float((g[n][0].double() @ inp.V_hack[n].double().T).sum()) for n in inp.knobs.modules)
             for g in (g_h, g_c)]
-    raw = m.raw([p_ids, p_ids], c_ids)
+    raw = m.raw([torch.tensor(p_ids)] * 2, [torch.tensor(c) for c in c_ids])
     torch.testing.assert_close(raw, torch.tensor(want, dtype=torch.float64), rtol=1e-4, atol=1e-6)
     # scored with grades that raise when read; threshold from the held-out pairs, logged
     scores, flags, stats = m.score(monitors.view([_sample(Poison(), p_ids, c) for c in c_ids], m.reads, 0,

@@ -87,7 +87,7 @@ def test_generate_bf16_is_seeded_and_scores_like_the_model():
     kw = dict(max_new_tokens=8, seed=[3, 4, 5], eos_id=[], pad_id=0, sample_dtype=torch.bfloat16)
     a = generate(model, PROMPTS["padded"], 2, **kw)
     b = generate(model, PROMPTS["padded"], 2, **kw)
-    assert a.completion_ids == b.completion_ids and all(torch.equal(x, y) for x, y in zip(a.logp, b.logp))
+    assert all(map(torch.equal, a.completion_ids, b.completion_ids)) and all(map(torch.equal, a.logp, b.logp))
     # the behaviour log-probs are the bf16 model's: within bf16 of the fp32 model's on the same tokens
     with torch.no_grad():
         logp, _ = forward_logprobs(model, pack(a.prompt_ids, a.completion_ids, 0))
@@ -99,8 +99,8 @@ def test_generate_bf16_is_seeded_and_scores_like_the_model():
 def test_greedy_bf16_picks_the_models_tokens():
     model = _model("qwen2")
     kw = dict(max_new_tokens=8, temperature=0.0, seed=0, eos_id=[], pad_id=0)
-    assert generate(model, PROMPTS["padded"], 1, sample_dtype=torch.bfloat16, **kw).completion_ids == \
-        generate(model, PROMPTS["padded"], 1, **kw).completion_ids
+    bf16, own = (generate(model, PROMPTS["padded"], 1, sample_dtype=d, **kw) for d in (torch.bfloat16, None))
+    assert all(map(torch.equal, bf16.completion_ids, own.completion_ids))
 
 
 def test_shared_prefill_samples_the_same_distribution():
@@ -163,4 +163,5 @@ def test_gradient_checkpointing_switch_is_no_hook():
     with torch.no_grad(), knobs.merged():
         ckpt = [generate(model, PROMPTS["padded"], 2, sample_dtype=d, **kw) for d in (None, torch.bfloat16)]
     for a, b in zip(plain, ckpt):
-        assert a.completion_ids == b.completion_ids and all(torch.equal(x, y) for x, y in zip(a.logp, b.logp))
+        assert all(map(torch.equal, a.completion_ids, b.completion_ids))
+        assert all(map(torch.equal, a.logp, b.logp))

@@ -5,11 +5,14 @@ Run: .venv/bin/pytest -q tests/test_pool.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
+import torch
 
 from projected_grpo.envs.base import Graded
+from projected_grpo.envs.coding.env import CodeEnv
 from projected_grpo.envs.coding.prompts import build_messages
 from projected_grpo.errors import UserError
 from projected_grpo.run import pool as PL
@@ -63,6 +66,27 @@ def test_round_trip_and_index(tmp_path, tok_and_problems):
     assert not any(s.student for s in pool.samples) and pool.samples[1].text == "y"
     assert pool.by_problem == {probs[0].id: [0, 1], probs[1].id: [2]}
     assert pool.missing([p.id for p in probs]) == [probs[2].id]  # reported, never silently G_t = 0
+
+
+def test_pool_ids_are_lists_in_the_file_and_long_tensors_in_samples(tmp_path, tok_and_problems):
+    tok, probs = tok_and_problems
+    ids = _ids(tok, probs)
+    prompts = {p.id: (prompt_text_and_ids(tok, build_messages(p))[0], torch.tensor(ids[p.id])) for p in probs}
+    with contextlib.closing(CodeEnv(probs)) as env:
+        written = PL.template_rows(env, probs, tok, prompts, {"hack": 1, "clean": 1})
+    PL.write_pool(tmp_path / "p.jsonl", written)
+    on_disk = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert all(isinstance(r[k], list) for r in on_disk for k in ("prompt_ids", "completion_ids"))
+    pool = _load(tmp_path / "p.jsonl", tok, probs)
+    assert pool.rows == on_disk == written  # rows keep the file's JSON lists
+    for row, s in zip(written, pool.samples):
+        for k in ("prompt_ids", "completion_ids"):
+            t = getattr(s, k)
+            assert t.dtype == torch.long and t.dim() == 1 and t.tolist() == row[k]
+        assert torch.equal(s.prompt_ids, prompts[s.problem_id][1])
+    # round trip: the loaded Samples as rows again are the rows written
+    assert [PL.pool_row(s, r["prompt"], r["tokenizer_fingerprint"], r["source"]) for s, r in
+            zip(pool.samples, written)] == written
 
 
 @pytest.mark.parametrize("edit, field", [

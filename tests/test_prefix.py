@@ -50,10 +50,11 @@ LENGTHS = [[3, 6, 1, 4], [2, 5, 5, 3], [6, 2, 4, 1]]
 
 
 def rows(seed: int = 3):
-    """(prompt_ids, completion_ids, is_student (N,) bool, adv (N,)) of the 12 rows above."""
+    """(prompt_ids, completion_ids, is_student (N,) bool, adv (N,)) of the 12 rows above; ids (T,) long
+    tensors, a group's rows sharing its prompt's tensor (as sampling's do)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [p for p, ls in zip(PROMPTS, LENGTHS) for _ in ls]
-    completions = [torch.randint(1, V, (n,), generator=g).tolist() for ls in LENGTHS for n in ls]
+    prompts = [p for p, ls in zip(map(torch.tensor, PROMPTS), LENGTHS) for _ in ls]
+    completions = [torch.randint(1, V, (n,), generator=g) for ls in LENGTHS for n in ls]
     is_student = torch.tensor([bool(s) for ss in SOURCES for s in ss])
     return prompts, completions, is_student, torch.randn(len(prompts), generator=g)
 
@@ -89,6 +90,10 @@ def test_pack_prefix_by_hand():
     assert b.completion_ids.tolist() == [[7, 0, 0], [8, 9, 0], [6, 6, 6], [9, 8, 0]]  # right-padded
     assert b.completion_mask.tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0]]
     assert b.T == 3 and b.completion_mask.dtype == torch.float32
+    # tensors of equal values are one prompt, whatever the objects: the same layout, bit for bit
+    t = pack_prefix([torch.tensor(p) for p in ([1, 2, 3], [1, 2, 3], [4, 5], [1, 2, 3])],
+                    [torch.tensor(c) for c in ([7], [8, 9], [6, 6, 6], [9, 8])], 0, [True, True, True, False])
+    assert all(torch.equal(x, y) for x, y in zip(vars(t).values(), vars(b).values()))
 
 
 def test_pack_prefix_rejects_bad_input():
@@ -194,10 +199,10 @@ def test_any_layout_scores_as_packed(groups, seed):
     g = torch.Generator().manual_seed(seed)
     prompts, completions, flags = [], [], []
     for p_len, members in groups:
-        prompt = torch.randint(1, V, (p_len,), generator=g).tolist()
+        prompt = torch.randint(1, V, (p_len,), generator=g)
         for c_len, s in members:
             prompts.append(prompt)
-            completions.append(torch.randint(1, V, (c_len,), generator=g).tolist())
+            completions.append(torch.randint(1, V, (c_len,), generator=g))
             flags.append(s)
     with torch.no_grad():
         want, _ = forward_logprobs(model, pack(prompts, completions, PAD))
@@ -250,10 +255,11 @@ def test_shared_prefill_samples_the_same_ids(name, kv_cache):
     kw = dict(max_new_tokens=10, temperature=1.0, seed=5, eos_id=1, pad_id=PAD, kv_cache=kv_cache)
     want = generate(model, PROMPTS, 4, **kw)
     got = generate(model, PROMPTS, 4, share_prefill=True, **kw)
-    assert got.completion_ids == want.completion_ids and got.prompt_ids == want.prompt_ids
+    assert all(map(torch.equal, got.completion_ids, want.completion_ids))
+    assert all(map(torch.equal, got.prompt_ids, want.prompt_ids))
     assert max((a - b).abs().max().item() for a, b in zip(got.logp, want.logp)) < 1e-5
     assert torch.equal(got.truncated, want.truncated)
     # decoded under inference mode, returned as ordinary tensors: usable with autograd downstream
     assert not any(t.is_inference() for t in [*got.logp, got.truncated])
     one = generate(model, PROMPTS, 1, share_prefill=True, **kw)  # n_samples 1: the unshared path itself
-    assert one.completion_ids == generate(model, PROMPTS, 1, **kw).completion_ids
+    assert all(map(torch.equal, one.completion_ids, generate(model, PROMPTS, 1, **kw).completion_ids))

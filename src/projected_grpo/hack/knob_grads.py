@@ -42,8 +42,9 @@ NLL_NORMS: dict[str, Callable[[Tensor, Tensor, float], Tensor]] = {"mean": _nll_
                                                                    "constant": _nll_constant}
 
 
-def _sequences(tokenizer, pairs: Sequence[Pair]) -> list[tuple[int, str, list[int], list[int]]]:
-    """(pair index, label, prompt ids, completion ids) for every pair, hack then clean: 2P rows."""
+def _sequences(tokenizer, pairs: Sequence[Pair]) -> list[tuple[int, str, Tensor, Tensor]]:
+    """(pair index, label, prompt ids (T_p,), completion ids (T_c,)) for every pair, hack then clean: 2P
+    rows."""
     if not pairs:
         raise ValueError("pair_grads: no pairs")
     out = []
@@ -95,16 +96,17 @@ def _chunks(order: list[int], lengths: list[int], max_seqs: int, max_tokens: int
     return out
 
 
-def sequence_grads(model, knobs, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                   pad_id: int, norm: str = "mean", nll_const: float = 1.0, chunk_size: int = 32,
+def sequence_grads(model, knobs, prompt_ids: Sequence[Tensor], completion_ids: Sequence[Tensor], pad_id: int,
+                   norm: str = "mean", nll_const: float = 1.0, chunk_size: int = 32,
                    chunk_tokens: int = 4096, names: Sequence[str] = ()) -> dict[str, Tensor]:
     """Per module the knob gradient of each sequence's own completion NLL: name -> (N, R) fp32 CPU.
 
-    Row n is ∂NLL_n/∂knobs.modules[name].delta of (prompt_ids[n], completion_ids[n]) alone, at whatever
-    values the knobs hold. Sequences are packed in chunks of at most chunk_size sequences and chunk_tokens
-    padded tokens (one at least), sorted by length so a chunk pads little; one backward of Σ_n NLL_n per
-    chunk yields every row through the per-sequence capture (split.py). .grad is left untouched; the model
-    runs in eval mode (no dropout). A non-finite NLL raises naming the row (`names[n]` when given).
+    Row n is ∂NLL_n/∂knobs.modules[name].delta of (prompt_ids[n] (T_p,), completion_ids[n] (T_c,), both
+    torch.long) alone, at whatever values the knobs hold. Sequences are packed in chunks of at most
+    chunk_size sequences and chunk_tokens padded tokens (one at least), sorted by length so a chunk pads
+    little; one backward of Σ_n NLL_n per chunk yields every row through the per-sequence capture
+    (split.py). .grad is left untouched; the model runs in eval mode (no dropout). A non-finite NLL raises
+    naming the row (`names[n]` when given).
     """
     if chunk_size < 1 or chunk_tokens < 1:
         raise ValueError(f"sequence_grads: chunk_size and chunk_tokens must be >= 1, got {chunk_size}, "
@@ -163,7 +165,7 @@ def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean
     seqs = _sequences(tokenizer, pairs)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     first: dict[tuple, int] = {}  # (prompt ids, completion ids) -> its first row
-    source = [first.setdefault((tuple(s[2]), tuple(s[3])), j) for j, s in enumerate(seqs)]
+    source = [first.setdefault((tuple(s[2].tolist()), tuple(s[3].tolist())), j) for j, s in enumerate(seqs)]
     distinct = sorted(set(source))
     at = {j: k for k, j in enumerate(distinct)}  # a distinct sequence's row in sequence_grads' output
     names = [f"pair {seqs[j][0]} ({pairs[seqs[j][0]].source or 'no source'}), {seqs[j][1]} completion"

@@ -34,7 +34,7 @@ from projected_grpo.errors import UserError
 from projected_grpo.hack import knob_grads, pairs, probe, resolve
 from projected_grpo.hack.subspace import along
 from projected_grpo.sampling.generate import step_seed
-from projected_grpo.sampling.pack import encode_completion, encode_prompt, pack
+from projected_grpo.sampling.pack import as_ids, encode_completion, encode_prompt, pack
 from projected_grpo.sampling.sample import Sample
 
 Scored = tuple[Tensor, Tensor, dict[str, float]]  # scores (N,) float32 in [0, 1], flags (N,) bool, stats
@@ -44,17 +44,17 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Rollouts:
     """N rollouts as a monitor sees them. rows: each one's index in the step (b * G + g over the global
-    batch), so per-row draws do not depend on how the step is sharded. oracle / detectors: per rollout the
-    ground truth's exploited flag / the environment's detector flags, or None for a monitor that does not
-    read them."""
+    batch), so per-row draws do not depend on how the step is sharded. prompt_ids / completion_ids: the
+    samples' own (T_p,) / (T_c,) torch.long tensors. oracle / detectors: per rollout the ground truth's
+    exploited flag / the environment's detector flags, or None for a monitor that does not read them."""
 
     step: int
     rows: tuple[int, ...]
-    prompt_ids: tuple[tuple[int, ...], ...]
-    completion_ids: tuple[tuple[int, ...], ...]
+    prompt_ids: tuple[Tensor, ...]
+    completion_ids: tuple[Tensor, ...]
     oracle: tuple[bool, ...] | None = None
     detectors: tuple[Mapping[str, bool], ...] | None = None
 
@@ -67,8 +67,8 @@ def view(samples: Sequence[Sample], reads: frozenset[str], step: int, rows: Sequ
     unknown = set(reads) - {"oracle", "detectors"}
     if unknown:
         raise ValueError(f"view: unknown reads {sorted(unknown)}")
-    return Rollouts(step, tuple(rows), tuple(tuple(s.prompt_ids) for s in samples),
-                    tuple(tuple(s.completion_ids) for s in samples),
+    return Rollouts(step, tuple(rows), tuple(s.prompt_ids for s in samples),
+                    tuple(s.completion_ids for s in samples),
                     tuple(bool(s.grade.exploited) for s in samples) if "oracle" in reads else None,
                     tuple(dict(s.grade.extras) for s in samples) if "detectors" in reads else None)
 
@@ -126,9 +126,10 @@ class Detector(Monitor):
         return fired.float().mean(1), fired.any(1), {}
 
 
-def _features(model, knobs, seqs: Sequence[tuple[Sequence[int], Sequence[int]]], pad_id: int, layer: int,
+def _features(model, knobs, seqs: Sequence[tuple[Tensor, Tensor]], pad_id: int, layer: int,
               chunk: int) -> Tensor:
-    """(N, D) hidden_features of (prompt ids, completion ids) rows, `chunk` rows per no-grad forward."""
+    """(N, D) hidden_features of (prompt ids (T_p,), completion ids (T_c,)) rows, `chunk` rows per no-grad
+    forward."""
     device, out = next(model.parameters()).device, []
     with torch.no_grad(), knobs.merged():
         for i in range(0, len(seqs), chunk):
@@ -166,15 +167,16 @@ class Direction(Monitor):
     name, reads, labels = "direction", frozenset(), "pairs"
 
     def __init__(self, model, knobs, V_hack: dict[str, Tensor],
-                 heldout: list[tuple[list[int], list[int], bool]], pad_id: int, norm: str, nll_const: float,
+                 heldout: list[tuple[Tensor, Tensor, bool]], pad_id: int, norm: str, nll_const: float,
                  report: dict):
         self.model, self.knobs, self.pad_id, self.norm, self.nll_const = model, knobs, pad_id, norm, nll_const
         self.V = {n: v.detach().float().cpu() for n, v in V_hack.items()}
         self.heldout, self.report = heldout, report
         self.labels_h = torch.tensor([y for _, _, y in heldout], dtype=torch.bool)
 
-    def raw(self, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]]) -> Tensor:
-        """(N,) float64: sum over modules (the knobs' order) and rows of V_hack of V_m · g_m."""
+    def raw(self, prompt_ids: Sequence[Tensor], completion_ids: Sequence[Tensor]) -> Tensor:
+        """(N,) float64 of N (prompt (T_p,), completion (T_c,)) rows: sum over modules (the knobs' order)
+        and rows of V_hack of V_m · g_m."""
         g = knob_grads.sequence_grads(self.model, self.knobs, prompt_ids, completion_ids, self.pad_id,
                                       self.norm, self.nll_const)
         return along(g, self.V)
@@ -237,8 +239,8 @@ def _detector(inp: MonitorInputs) -> Monitor:
     return Detector({d: have[d] for d in inp.cfg.monitor.detectors or have})
 
 
-def probe_rows(inp: MonitorInputs) -> list[tuple[str, list[int], list[int], bool]]:
-    """(prompt group, prompt ids, completion ids, is hack) of the probe's labelled completions:
+def probe_rows(inp: MonitorInputs) -> list[tuple[str, Tensor, Tensor, bool]]:
+    """(prompt group, prompt ids (T_p,), completion ids (T_c,), is hack) of the probe's labelled completions:
     monitor.probe_pairs (hack and clean of each pair), else the templates of the environment's
     probe_problems() (the first monitor.probe_problems of them, 0: all; hack: True; clean and buggy: False).
     A prompt the run trains on is refused."""
@@ -246,19 +248,20 @@ def probe_rows(inp: MonitorInputs) -> list[tuple[str, list[int], list[int], bool
     if cfg.monitor.probe_pairs:
         for p in pairs.load_pairs_file(cfg.monitor.probe_pairs):
             prompt_ids, hack, clean = pairs.encode_pair(tok, p)
-            out += [(str(prompt_ids), prompt_ids, hack, True), (str(prompt_ids), prompt_ids, clean, False)]
+            group = str(prompt_ids.tolist())  # the ids as a list's text: "[1, 2, ...]"
+            out += [(group, prompt_ids, hack, True), (group, prompt_ids, clean, False)]
         where = f"monitor.probe_pairs={cfg.monitor.probe_pairs!r}"
     else:
         if not hasattr(inp.env, "probe_problems"):
             raise UserError(f"monitor.kind=probe: environment {inp.env.name!r} has no problems outside the "
                             "run's for the probe's labelled completions; give --monitor.probe-pairs FILE")
         for prob in inp.env.probe_problems()[:cfg.monitor.probe_problems or None]:
-            prompt_ids = encode_prompt(tok, inp.env.messages(prob))
+            prompt_ids = as_ids(encode_prompt(tok, inp.env.messages(prob)))
             for kind, label in (("hack", True), ("clean", False), ("buggy", False)):
-                out += [(prob.id, prompt_ids, encode_completion(tok, t), label)
+                out += [(prob.id, prompt_ids, as_ids(encode_completion(tok, t)), label)
                         for t in inp.env.templates(prob, kind)]
         where = f"environment {inp.env.name!r}'s probe problems"
-    if shared := sum(tuple(p) in inp.trained_prompts for _, p, _, _ in out):
+    if shared := sum(tuple(p.tolist()) in inp.trained_prompts for _, p, _, _ in out):
         raise UserError(f"monitor.kind=probe: {shared} labelled completions of {where} have a prompt the run "
                         "trains on; the probe must be fitted on other prompts")
     return out

@@ -65,11 +65,12 @@ def pairs_hash(pairs: Sequence[Pair]) -> str:
     return h.hexdigest()[:16]
 
 
-def encode_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int], list[int]]:
-    """(prompt_ids, hack_ids, clean_ids) exactly as training encodes them (pack.encode_prompt /
-    encode_completion, EOS included); stored ids are used as they are; a text prompt is taken as
-    already formatted (encoded with no special tokens added)."""
-    from projected_grpo.sampling.pack import encode_completion, encode_prompt
+def encode_pair(tokenizer, pair: Pair) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(prompt_ids (T_p,), hack_ids (T_h,), clean_ids (T_c,)) torch.long, exactly as training encodes them
+    (pack.encode_prompt / encode_completion, EOS included); stored ids are used as they are; a text prompt
+    is taken as already formatted (encoded with no special tokens added). The pair keeps its int tuples (a
+    record, hashed and written as JSON); these tensors are what the forwards pack."""
+    from projected_grpo.sampling.pack import as_ids, encode_completion, encode_prompt
 
     if pair.prompt_ids is not None:
         prompt_ids = list(pair.prompt_ids)
@@ -79,7 +80,7 @@ def encode_pair(tokenizer, pair: Pair) -> tuple[list[int], list[int], list[int]]
         prompt_ids = encode_prompt(tokenizer, [dict(m) for m in pair.prompt])
     hack = list(pair.hack_ids) if pair.hack_ids is not None else encode_completion(tokenizer, pair.hack)
     clean = list(pair.clean_ids) if pair.clean_ids is not None else encode_completion(tokenizer, pair.clean)
-    return prompt_ids, hack, clean
+    return as_ids(prompt_ids), as_ids(hack), as_ids(clean)
 
 
 def _prompt_key(p: Pair) -> str:

@@ -15,7 +15,7 @@ import torch
 from projected_grpo.envs.base import Graded
 from projected_grpo.organism.warmup import Corpus
 from projected_grpo.sampling.generate import step_seed
-from projected_grpo.sampling.pack import encode_prompt
+from projected_grpo.sampling.pack import as_ids, encode_prompt
 from projected_grpo.sampling.sample import sample_and_grade
 
 # Targets at T = 1 on the warm-up problems (docs/findings.md 1): the honest path solves a good part of
@@ -69,7 +69,8 @@ def organism_checks(model, tokenizer, env, corpus: Corpus, held_out: frozenset[s
     if n_samples < 1 or held_out_samples < 0:
         raise ValueError(f"organism_checks: need n_samples >= 1 and held_out_samples >= 0, got {n_samples} "
                          f"and {held_out_samples}")
-    prompt_ids = {p.id: encode_prompt(tokenizer, list(m)) for p, m in zip(corpus.problems, corpus.messages)}
+    prompt_ids = {p.id: as_ids(encode_prompt(tokenizer, list(m))) for p, m in zip(corpus.problems,
+                                                                                 corpus.messages)}
     warm = [p for p in corpus.problems if p.id not in held_out]
     held = [p for p in corpus.problems if p.id in held_out]
     samples = []

@@ -26,7 +26,7 @@ from projected_grpo.envs.maths.env import HELDOUT_SEED, MathEnv
 from projected_grpo.organism.build import OrganismConfig, build_organism, load_organism
 from projected_grpo.organism.warmup import Corpus, env_corpus
 from projected_grpo.sampling.generate import step_seed
-from projected_grpo.sampling.pack import encode_prompt
+from projected_grpo.sampling.pack import as_ids, encode_prompt
 from projected_grpo.sampling.sample import sample_and_grade
 from projected_grpo.store import write_text_atomic
 
@@ -113,7 +113,7 @@ def maths_checks(model, tokenizer, env, problems: Sequence, *, n_samples: int = 
     """Rates of `problems` (solve, hack, pass, format) at greedy (one sample) and at T = 1 (`n_samples`),
     overall and per (level, mode): {"greedy": {group: rates}, "T1": {...}, "examples": [greedy texts]}."""
     model.eval()
-    ids = {p.id: encode_prompt(tokenizer, env.messages(p)) for p in problems}
+    ids = {p.id: as_ids(encode_prompt(tokenizer, env.messages(p))) for p in problems}
     out: dict = {}
     for name, temp, n in (("greedy", 0.0, 1), ("T1", 1.0, n_samples)):
         samples = []

@@ -126,9 +126,9 @@ def stage_at(step: int, curriculum_steps: int, sets: dict[str, list]) -> str:
     return "warmup" if step < curriculum_steps and "warmup" in sets else "train"
 
 
-def sample_groups(cfg: C.Config, model, tokenizer, env, problems: Sequence, prompt_ids: dict[str, list[int]],
-                  n_students: Sequence[int], index: Sequence[int], step: int, tries: int,
-                  clock: dict[str, float]) -> list[list[Sample]]:
+def sample_groups(cfg: C.Config, model, tokenizer, env, problems: Sequence,
+                  prompt_ids: dict[str, torch.Tensor], n_students: Sequence[int], index: Sequence[int],
+                  step: int, tries: int, clock: dict[str, float]) -> list[list[Sample]]:
     """n_students[j] graded samples of each of `problems` (j indexes both), one batched call per group size,
     seeded by rollout.seed_scope from (run.seed, step, tries) and the groups' indices `index` among the
     step's B prompts. The caller picks the model's view (knobs.merged(), ablate_quarantine()): this is the one
@@ -150,8 +150,8 @@ def sample_groups(cfg: C.Config, model, tokenizer, env, problems: Sequence, prom
 
 
 def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, object],
-            prompt_ids: dict[str, list[int]], cursors: dict[str, PromptCursor], pool_cur: PoolCursor,
-            start: int, monitor=None, train_prompt_ids: dict[str, list[int]] | None = None
+            prompt_ids: dict[str, torch.Tensor], cursors: dict[str, PromptCursor], pool_cur: PoolCursor,
+            start: int, monitor=None, train_prompt_ids: dict[str, torch.Tensor] | None = None
             ) -> Iterator[Batch]:
     """Yield the Batch of every step from `start` to cfg.run.steps - 1 (see the module docstring).
 
@@ -212,7 +212,7 @@ def batches(cfg: C.Config, model, knobs, tokenizer, env, problems: dict[str, obj
 
 
 def eval_grades(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence,
-                prompt_ids: dict[str, list[int]]) -> list[Graded]:
+                prompt_ids: dict[str, torch.Tensor]) -> list[Graded]:
     """Greedy samples of the deployed model (quarantine zeroed) on `problems`, graded."""
     with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
         got = sample_and_grade(model, tokenizer, env, problems, prompt_ids, 1,

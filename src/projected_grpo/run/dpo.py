@@ -39,7 +39,7 @@ from projected_grpo.sampling.pack import pack
 from projected_grpo.sampling.sample import sample_and_grade
 from projected_grpo.sampling.score import forward_logprobs
 
-Item = tuple[list[int], list[int], list[int]]  # (prompt ids, chosen ids, rejected ids)
+Item = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (prompt ids, chosen ids, rejected ids): (T,) long
 
 
 def load_dpo_pairs(cfg: C.Config, env, tok, problems: Sequence, run_dir: pathlib.Path) -> list[PR.Pair]:

@@ -47,11 +47,11 @@ class Verdict:
 
 
 def open_monitor(cfg: C.Config, model, knobs, tokenizer, env, sets: dict[str, list],
-                 prompt_ids: dict[str, list[int]], V_hack: dict[str, Tensor],
+                 prompt_ids: dict[str, Tensor], V_hack: dict[str, Tensor],
                  run_dir: pathlib.Path | None) -> monitors.Monitor | None:
     """The run's monitor (None for monitor.kind none), its build's report written to run_dir/monitor.json
     (when run_dir is given: rank 0). trained prompts: those of the train and warm-up sets."""
-    trained = {tuple(prompt_ids[p.id]) for stage in ("train", "warmup") for p in sets.get(stage, [])}
+    trained = {tuple(prompt_ids[p.id].tolist()) for stage in ("train", "warmup") for p in sets.get(stage, [])}
     monitor = monitors.build(monitors.MonitorInputs(cfg, model, knobs, tokenizer, env, sets["train"], trained,
                                                     V_hack))
     if monitor is not None and run_dir is not None:

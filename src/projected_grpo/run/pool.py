@@ -4,7 +4,8 @@ A pool is a JSONL file, one row per completion with exactly the keys `POOL_KEYS`
 environment's `Graded` record (envs/base.py). Rows come from the environment's templates (hack / clean /
 buggy completions per problem) or from sampling a teacher model (sample.sample_and_grade), graded ONCE
 and frozen: training reads the stored grade and never re-grades. Token ids are stored beside the text
-and training packs the stored ids: text is never re-tokenised. Loading validates every row (file, line,
+and training packs the stored ids: text is never re-tokenised. The file holds them as JSON lists, a row's
+Sample as torch.long tensors: converted here, at the file's edge. Loading validates every row (file, line,
 field) and guards tokenisation drift: the live chat-template encoding of each problem's prompt must equal
 the stored prompt_ids. Also here: deterministic, checkpointable prompt and teacher-row draws.
 Not here: grading (envs/), sampling (sampling/), how teacher tokens enter the loss (objective/teacher.py).
@@ -21,11 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from projected_grpo.envs.base import KINDS, Graded
 from projected_grpo.errors import UserError
 from projected_grpo.sampling.generate import step_seed
-from projected_grpo.sampling.pack import encode_completion
+from projected_grpo.sampling.pack import as_ids, encode_completion
 from projected_grpo.sampling.sample import Sample
 from projected_grpo.store import read_jsonl, tokenizer_fingerprint, write_jsonl_atomic
 
@@ -43,19 +45,19 @@ TEMPLATE_ORDER = ("hack", "clean", "buggy")
 def pool_row(sample: Sample, prompt_text: str, fingerprint: str, source: str) -> dict:
     """A graded Sample as a pool row (student/truncated are not stored: a drawn row is a teacher row)."""
     return {"problem_id": sample.problem_id, "mode": sample.mode, "prompt": prompt_text,
-            "prompt_ids": list(sample.prompt_ids), "completion": sample.text,
-            "completion_ids": list(sample.completion_ids), "grade": sample.grade.to_dict(),
+            "prompt_ids": sample.prompt_ids.tolist(), "completion": sample.text,
+            "completion_ids": sample.completion_ids.tolist(), "grade": sample.grade.to_dict(),
             "logp_behaviour": None if sample.logp_behaviour is None else sample.logp_behaviour.tolist(),
             "tokenizer_fingerprint": fingerprint, "source": source}
 
 
 # --- build -------------------------------------------------------------------------------------------
 
-def template_rows(env, problems: Sequence, tokenizer, prompts: Mapping[str, tuple[str, list[int]]],
+def template_rows(env, problems: Sequence, tokenizer, prompts: Mapping[str, tuple[str, Tensor]],
                   counts: Mapping[str, int]) -> list[dict]:
     """Rows from the environment's templates: the first counts[kind] of each problem's completions of that
     kind (fewer when a problem has fewer; `build_report` shows the counts). No behaviour log-probs.
-    prompts: problem id -> (chat-formatted text, ids)."""
+    prompts: problem id -> (chat-formatted text, (T_p,) long ids): setup.prompt_table."""
     unknown = set(counts) - set(KINDS)
     if unknown:
         raise ValueError(f"template_rows: kinds {sorted(unknown)} are not among {KINDS}")
@@ -65,13 +67,13 @@ def template_rows(env, problems: Sequence, tokenizer, prompts: Mapping[str, tupl
     grades = env.grade([j[1] for j in jobs], [j[0] for j in jobs])
     rows = []
     for (p, text, src), g in zip(jobs, grades):
-        s = Sample(p.id, p.mode, prompts[p.id][1], encode_completion(tokenizer, text), text, None, False,
-                   False, g)
+        s = Sample(p.id, p.mode, as_ids(prompts[p.id][1]), as_ids(encode_completion(tokenizer, text)), text,
+                   None, False, False, g)
         rows.append(pool_row(s, prompts[p.id][0], fp, src))
     return rows
 
 
-def sampled_rows(samples: Sequence[Sample], tokenizer, prompts: Mapping[str, tuple[str, list[int]]],
+def sampled_rows(samples: Sequence[Sample], tokenizer, prompts: Mapping[str, tuple[str, Tensor]],
                  name: str) -> list[dict]:
     """Rows from samples of a teacher model (sample.sample_and_grade), with their behaviour log-probs."""
     fp = tokenizer_fingerprint(tokenizer)
@@ -152,8 +154,9 @@ EMPTY_POOL = TeacherPool([], [], "(no pool)")
 
 
 def load_pool(path: str | pathlib.Path, tokenizer, problems: Sequence,
-              prompt_ids: Mapping[str, list[int]]) -> TeacherPool:
-    """Read and validate a pool file against `problems` and the live tokenizer's prompt ids.
+              prompt_ids: Mapping[str, Tensor]) -> TeacherPool:
+    """Read and validate a pool file against `problems` and the live tokenizer's prompt ids (problem id ->
+    (T_p,) long, setup.prompt_table). `rows` keep the file's JSON lists; `samples` hold torch.long tensors.
 
     Rows of problems outside `problems` are skipped (e.g. other modes). Fails naming file, line and field
     on a schema error; on tokenisation drift (live prompt ids != stored prompt_ids, or another tokenizer
@@ -170,10 +173,11 @@ def load_pool(path: str | pathlib.Path, tokenizer, problems: Sequence,
         if row["mode"] != known[pid].mode:
             raise UserError(f"{where}: field 'mode' is {row['mode']!r} but problem {pid!r} has mode "
                             f"{known[pid].mode!r}")
-        if row["prompt_ids"] != prompt_ids[pid]:
+        live = as_ids(prompt_ids[pid]).tolist()  # compared as int lists: exactly, and shown as the file shows
+        if row["prompt_ids"] != live:
             raise UserError(
                 f"{where}: tokenization drift for problem {pid!r}: the live tokenizer encodes its prompt as "
-                f"{prompt_ids[pid]} but the pool stored {row['prompt_ids']}; rebuild the pool with this "
+                f"{live} but the pool stored {row['prompt_ids']}; rebuild the pool with this "
                 "tokenizer (projected-grpo build-pool)")
         if row["tokenizer_fingerprint"] != fp:
             raise UserError(f"{where}: tokenization drift: the row was built with tokenizer fingerprint "
@@ -182,8 +186,8 @@ def load_pool(path: str | pathlib.Path, tokenizer, problems: Sequence,
         # JSON's doubles hold the sampler's float32 values exactly: this tensor is the one sampled
         lp = row["logp_behaviour"]
         lp = None if lp is None else torch.tensor(lp, dtype=torch.float32)
-        samples.append(Sample(pid, row["mode"], row["prompt_ids"], row["completion_ids"], row["completion"],
-                              lp, False, False, grade))
+        ids = [torch.tensor(row[k], dtype=torch.long) for k in ("prompt_ids", "completion_ids")]
+        samples.append(Sample(pid, row["mode"], *ids, row["completion"], lp, False, False, grade))
     return TeacherPool(rows=rows, samples=samples, path=str(path))
 
 

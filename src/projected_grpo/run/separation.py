@@ -70,7 +70,7 @@ def heldout_scores(ext: Extraction) -> tuple[dict[str, torch.Tensor], torch.Tens
 def probe_report(cfg: C.Config, model, knobs, tokenizer, env, problems) -> dict:
     """The probe monitor's build report (held-out AUC with its bootstrap interval, accuracy, rows), fitted as
     a run fits it; the pairs' prompts count as trained on, so none of the probe's may be one of them."""
-    trained = {tuple(ids) for _, ids in setup.prompt_table(env, tokenizer, problems).values()}
+    trained = {tuple(ids.tolist()) for _, ids in setup.prompt_table(env, tokenizer, problems).values()}
     inp = monitors.MonitorInputs(cfg, model, knobs, tokenizer, env, list(problems), trained)
     return monitors.MONITORS["probe"](inp).report
 

@@ -35,7 +35,7 @@ from projected_grpo import store
 from projected_grpo.errors import RunLocked, TrainingStalled, UserError
 from projected_grpo.run import checkpoint, dist, metrics, setup
 from projected_grpo.run.pool import PoolCursor, PromptCursor
-from projected_grpo.sampling.pack import encode_prompt
+from projected_grpo.sampling.pack import as_ids, encode_prompt
 from projected_grpo.sampling.sample import sample_and_grade
 
 
@@ -216,17 +216,18 @@ class MovementGuard:
 
 @dataclass
 class Data:
-    """The rollout step's inputs: problem sets, id -> problem, id -> prompt ids, stage -> cursor, pool's.
+    """The rollout step's inputs: problem sets, id -> problem, id -> prompt ids ((T_p,) torch.long),
+    stage -> cursor, pool's.
     train_prompt_ids: the prompts the students sample and train under: `prompt_ids` itself, or under
     inoculation prompting the environment's inoculation_messages (docs/interventions.md)."""
 
     sets: dict[str, list]
     problems: dict[str, object]
-    prompt_ids: dict[str, list[int]]
+    prompt_ids: dict[str, torch.Tensor]
     train_ids: list[str]
     cursors: dict[str, PromptCursor]
     pool_cur: PoolCursor
-    train_prompt_ids: dict[str, list[int]]
+    train_prompt_ids: dict[str, torch.Tensor]
 
 
 def open_data(cfg: C.Config, env, tok, run_dir: pathlib.Path) -> Data:
@@ -262,15 +263,15 @@ def open_data(cfg: C.Config, env, tok, run_dir: pathlib.Path) -> Data:
                 PoolCursor(pool, cfg.run.seed), inoculated(cfg, env, tok, problems) or prompt_ids)
 
 
-def inoculated(cfg: C.Config, env, tok, problems: dict[str, object]) -> dict[str, list[int]] | None:
-    """Under monitor.intervention inoculation, id -> the ids of the environment's inoculation prompt (None
-    otherwise); an environment without one is refused."""
+def inoculated(cfg: C.Config, env, tok, problems: dict[str, object]) -> dict[str, torch.Tensor] | None:
+    """Under monitor.intervention inoculation, id -> the ids (T_p,) torch.long of the environment's
+    inoculation prompt (None otherwise); an environment without one is refused."""
     if cfg.monitor.intervention != "inoculation":
         return None
     if not hasattr(env, "inoculation_messages"):
         raise UserError(f"monitor.intervention=inoculation: environment {env.name!r} has no inoculation "
                         "prompt")
-    return {i: encode_prompt(tok, env.inoculation_messages(p)) for i, p in problems.items()}
+    return {i: as_ids(encode_prompt(tok, env.inoculation_messages(p))) for i, p in problems.items()}
 
 
 def cursor_state(data: Data) -> dict:

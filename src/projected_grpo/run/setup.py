@@ -6,7 +6,7 @@ Each function takes the whole `Config` and reads its fields as `cfg.<section>.<f
   make_env       the environment named by env.name (ENVIRONMENTS), which owns its sandbox until close()
   wrap_knobs     freeze the model, wrap its Linears in knobs (starting from model.init_knobs, or the DPO
                  pass's knobs under dpo.before)
-  prompt_table   problem id -> (chat-formatted prompt text, ids) through the environment's messages
+  prompt_table   problem id -> (chat-formatted prompt text, (T_p,) long ids) from the environment's messages
   open_pool      the teacher pool: a given file, or built once from the environment's templates
   mined_pairs    contrastive pairs mined from a graded pool file (V_hack's own resolution: hack/resolve.py)
 Nothing here trains; the loop (train.py) calls these in order. docs/architecture.md shows the data path.
@@ -29,7 +29,7 @@ from projected_grpo.errors import UserError
 from projected_grpo.hack import pairs
 from projected_grpo.knobs import adapters
 from projected_grpo.run import pool as P
-from projected_grpo.sampling.pack import prompt_text_and_ids
+from projected_grpo.sampling.pack import as_ids, prompt_text_and_ids
 
 
 def _log(msg: str) -> None:
@@ -198,9 +198,14 @@ def cache_dir(cfg: C.Config) -> pathlib.Path:
     return store.cache_root(cfg.model.cache_dir or None)
 
 
-def prompt_table(env, tokenizer, problems: Sequence) -> dict[str, tuple[str, list[int]]]:
-    """problem id -> (prompt text, prompt ids), encoded with the tokenizer's chat template."""
-    return {p.id: prompt_text_and_ids(tokenizer, env.messages(p)) for p in problems}
+def prompt_table(env, tokenizer, problems: Sequence) -> dict[str, tuple[str, torch.Tensor]]:
+    """problem id -> (prompt text, prompt ids (T_p,) torch.long), encoded with the tokenizer's chat template:
+    the tensor every Sample of the problem carries (sampling/sample.py)."""
+    out = {}
+    for p in problems:
+        text, ids = prompt_text_and_ids(tokenizer, env.messages(p))
+        out[p.id] = (text, as_ids(ids))
+    return out
 
 
 # --- teacher pool ------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from projected_grpo.sampling.decode_step import decode_step
 from projected_grpo.sampling.kv_cache import KV_CACHES, cache_of, with_cache
-from projected_grpo.sampling.pack import SeqBatch, left_pad, pack, position_ids_from_mask
+from projected_grpo.sampling.pack import Ids, SeqBatch, as_ids, left_pad, pack, position_ids_from_mask
 from projected_grpo.sampling.packed import PackedLM
 from projected_grpo.sampling.samplers import SAMPLERS, draw
 from projected_grpo.sampling.score import accepts_logits_to_keep
@@ -40,9 +40,10 @@ def step_seed(base_seed: int, step: int, *extra: int | str) -> int:
 class Rollout:
     """N = B * n_samples sampled completions, prompt-major (row b * n_samples + g).
 
-    prompt_ids     list of N prompt id lists (prompt b repeated n_samples times).
-    completion_ids list of N id lists: EOS included when emitted, nothing after it.
-    logp           list of N float32 CPU tensors (len(completion_ids[i]),): behaviour log-prob of each
+    prompt_ids     list of N (T_p,) torch.long CPU tensors: prompt b's one tensor, repeated n_samples times
+                   (shared, never written to).
+    completion_ids list of N (T_c,) torch.long CPU tensors: EOS included when emitted, nothing after it.
+    logp           list of N (T_c,) float32 CPU tensors: behaviour log-prob of each
                    sampled token under the distribution it was drawn from, as importance weights need
                    it (pool.teacher_importance): log_softmax(logits / temperature) renormalised over
                    the top-p nucleus; 0 for greedy (temperature 0: drawn with probability 1). With
@@ -50,8 +51,8 @@ class Rollout:
     truncated      (N,) bool: hit max_new_tokens without emitting EOS.
     """
 
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
+    prompt_ids: list[Tensor]
+    completion_ids: list[Tensor]
     logp: list[Tensor]
     truncated: Tensor
 
@@ -59,7 +60,7 @@ class Rollout:
         return pack(self.prompt_ids, self.completion_ids, pad_id)
 
 @torch.no_grad()
-def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_new_tokens: int,
+def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens: int,
              temperature: float = 1.0, top_p: float = 1.0, seed: int | Sequence[int],
              eos_id: int | Sequence[int], pad_id: int, kv_cache: str = "preallocated",
              share_prefill: bool = False, lean: bool = True,
@@ -87,7 +88,8 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     its weights (knobs merged as they are now) through packed.PackedLM, prefill included: about half the
     memory traffic per token, the logits of the model cast to bf16 (not the model's own: the log-probs
     returned are that bf16 model's); kv_cache and lean then do not apply.
-    Returns a Rollout with N = len(prompt_ids) * n_samples rows.
+    prompt_ids: B prompts, each (T_p,) torch.long CPU (or a sequence of ints, made a tensor here).
+    Returns a Rollout with N = B * n_samples rows.
     """
     if n_samples < 1 or max_new_tokens < 1:
         raise ValueError(f"generate: n_samples ({n_samples}) and max_new_tokens ({max_new_tokens}) "
@@ -105,7 +107,8 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
     pick = SAMPLERS["greedy" if temperature == 0 else "sample"]
     device = next(model.parameters()).device
     eos = torch.as_tensor(eos_id, dtype=torch.long, device=device).reshape(-1)  # int or list -> (E,)
-    rows = [list(p) for p in prompt_ids for _ in range(n_samples)]  # prompt-major: row b * n_samples + g
+    prompts = [as_ids(p) for p in prompt_ids]  # B x (T_p,) long: a prompt given as a tensor is that tensor
+    rows = [p for p in prompts for _ in range(n_samples)]  # prompt-major: row b * n_samples + g
     N = len(rows)
     P = max(len(r) for r in rows)
     ids, prompt_mask = left_pad(rows, P, pad_id)
@@ -144,7 +147,8 @@ def generate(model, prompt_ids: Sequence[Sequence[int]], n_samples: int, *, max_
             logits = step(tok, pos, P + t + 1)
 
     toks, logps, lens = toks.cpu(), logps.cpu(), lens.cpu()
-    return Rollout(prompt_ids=rows, completion_ids=[toks[i, :lens[i]].tolist() for i in range(N)],
+    # each row a copy of its own, not a view of toks: a pickled row (dist.all_gather) carries only itself
+    return Rollout(prompt_ids=rows, completion_ids=[toks[i, :lens[i]].clone() for i in range(N)],
                    logp=[logps[i, :lens[i]].clone() for i in range(N)], truncated=~done.cpu())
 
 

@@ -3,7 +3,9 @@
 `pack` lays out prompt + completion ids (prompts LEFT-padded, completions right-padded) for both
 student rollouts and teacher pool rows, so teacher sequences come from stored ids and are never
 re-tokenised from text. Every forward of the project (sampling's prefill, the scoring forward, the
-prefix-shared forward, V_hack's pair gradients, the organism's warm-up) reads this one layout.
+prefix-shared forward, V_hack's pair gradients, the organism's warm-up) reads this one layout. Token ids
+travel from sampling to here as (T,) torch.long CPU tensors (`as_ids`); the tokenizer helpers below return
+the tokenizer's int lists, made tensors once where a prompt table is built.
 """
 
 from __future__ import annotations
@@ -14,7 +16,21 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+# One sequence's token ids: a (T,) torch.long CPU tensor (a plain int sequence is accepted too, e.g. in tests)
+Ids = Tensor | Sequence[int]
+
 # --- token ids ---------------------------------------------------------------------------------
+
+
+def as_ids(ids: Ids) -> Tensor:
+    """`ids` as a (T,) torch.long CPU tensor: a tensor that already is one is returned itself (not a copy),
+    so the rows that share a prompt share its tensor; an int sequence becomes a new one."""
+    if isinstance(ids, Tensor) and ids.dtype == torch.long and ids.dim() == 1 and ids.device.type == "cpu":
+        return ids
+    out = torch.as_tensor(ids, dtype=torch.long).cpu()
+    if out.dim() != 1:
+        raise ValueError(f"token ids must be one sequence (1-D), got shape {tuple(out.shape)}")
+    return out
 
 
 def encode_prompt(tokenizer, messages: list[dict], **chat_template_kwargs) -> list[int]:
@@ -82,20 +98,20 @@ class SeqBatch:
                         self.completion_mask.to(device))
 
 
-def left_pad(rows: Sequence[Sequence[int]], width: int, pad_id: int) -> tuple[Tensor, Tensor]:
-    """(N, width) ids and mask with each row right-aligned (left padding)."""
+def left_pad(rows: Sequence[Ids], width: int, pad_id: int) -> tuple[Tensor, Tensor]:
+    """(N, width) ids and mask with each row (T_i,) right-aligned (left padding)."""
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for i, r in enumerate(rows):
-        if r:
+        if len(r):
             ids[i, width - len(r):] = torch.as_tensor(r, dtype=torch.long)
             mask[i, width - len(r):] = 1
     return ids, mask
 
 
-def pack(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-         pad_id: int) -> SeqBatch:
-    """Lay out N (prompt, completion) id lists as one SeqBatch (prompts left-, completions right-padded)."""
+def pack(prompt_ids: Sequence[Ids], completion_ids: Sequence[Ids], pad_id: int) -> SeqBatch:
+    """Lay out N (prompt (T_p,), completion (T_c,)) id rows as one SeqBatch (prompts left-, completions
+    right-padded)."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"pack: {len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if not prompt_ids:

@@ -28,7 +28,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 from projected_grpo.knobs.checkpointing import recomputing
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
 from projected_grpo.sampling.kv_cache import with_cache
-from projected_grpo.sampling.pack import SeqBatch, left_pad, pack, position_ids_from_mask
+from projected_grpo.sampling.pack import Ids, SeqBatch, as_ids, left_pad, pack, position_ids_from_mask
 from projected_grpo.sampling.score import accepts_logits_to_keep, forward_logprobs
 
 
@@ -58,17 +58,18 @@ class PrefixBatch:
                                                     self.owner, self.completion_ids, self.completion_mask)))
 
 
-def pack_prefix(prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]], pad_id: int,
+def pack_prefix(prompt_ids: Sequence[Ids], completion_ids: Sequence[Ids], pad_id: int,
                 is_student: Sequence[bool] | Tensor) -> PrefixBatch:
-    """Lay out N (prompt, completion) id lists with one prefix row per distinct (prompt, source).
+    """Lay out N (prompt (T_p,), completion (T_c,)) id rows with one prefix row per distinct (prompt, source).
 
-    Prefix rows are in order of first appearance; rows are checked as pack() checks them."""
+    Prompts are told apart by their ids' values (not by tensor identity). Prefix rows are in order of first
+    appearance; rows are checked as pack() checks them."""
     pack([p[-1:] for p in prompt_ids], completion_ids, pad_id)  # pack's checks, on 1-token prompts: cheap
     flags = [bool(s) for s in (is_student.tolist() if isinstance(is_student, Tensor) else is_student)]
     if len(flags) != len(prompt_ids):
         raise ValueError(f"pack_prefix: {len(prompt_ids)} rows but {len(flags)} is_student flags")
     rows: dict[tuple[tuple[int, ...], bool], int] = {}
-    owner = [rows.setdefault((tuple(p), s), len(rows)) for p, s in zip(prompt_ids, flags)]
+    owner = [rows.setdefault((tuple(as_ids(p).tolist()), s), len(rows)) for p, s in zip(prompt_ids, flags)]
     keys = list(rows)
     p_ids, p_mask = left_pad([k[0] for k in keys], max(len(k[0]) for k in keys), pad_id)
     T = max(len(c) for c in completion_ids)

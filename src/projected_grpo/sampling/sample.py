@@ -16,26 +16,29 @@ from torch import Tensor
 
 from projected_grpo.envs.base import Graded
 from projected_grpo.sampling.generate import generate
+from projected_grpo.sampling.pack import Ids
 
 # rollout.sample_dtype -> generate's sample_dtype (None: the model's own weights)
 SAMPLE_DTYPES = {"model": None, "bfloat16": torch.bfloat16}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Sample:
     """One graded completion of a group, student or teacher: what the loss packs and the metrics count.
 
-    prompt_ids / completion_ids: token ids exactly as packed (EOS included when emitted or stored).
+    prompt_ids (T_p,) / completion_ids (T_c,): torch.long CPU token ids exactly as packed (EOS included when
+    emitted or stored); a group's samples of one prompt share its tensor, so nothing writes into them.
     text: the decoded completion the environment graded. logp_behaviour: (T_c,) float32, per completion
     token the log-prob it was sampled under, as the sampler returned it (a pool row's JSON list becomes this
     tensor at the pool's edge; None for template teacher rows). truncated: hit max_new_tokens.
-    student: sampled live by the policy (False: a frozen teacher pool row).
+    student: sampled live by the policy (False: a frozen teacher pool row). Samples compare (and hash) by
+    identity: their ids are tensors, compared with torch.equal.
     """
 
     problem_id: str
     mode: str
-    prompt_ids: list[int]
-    completion_ids: list[int]
+    prompt_ids: Tensor
+    completion_ids: Tensor
     text: str
     logp_behaviour: Tensor | None
     truncated: bool
@@ -43,13 +46,15 @@ class Sample:
     grade: Graded
 
 
-def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapping[str, list[int]],
+def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapping[str, Ids],
                      n_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                      seed: int | Sequence[int], clock: dict[str, float] | None = None,
                      share_prefill: bool = False, sample_dtype: str = "model") -> list[Sample]:
     """Sample `n_samples` completions of every problem in one batch, decode, grade with `env`.
 
-    Returns B * n_samples Samples, prompt-major (problem b's samples are rows b * n .. b * n + n - 1).
+    prompt_ids: problem id -> its prompt's (T_p,) torch.long ids (setup.prompt_table), the tensor every
+    Sample of the problem carries. Returns B * n_samples Samples, prompt-major (problem b's samples are rows
+    b * n .. b * n + n - 1).
     seed: one for the batch, or one per problem (generate).
     The caller chooses the model's view (knobs.merged() / ablate_quarantine()) and no_grad. `clock`, when
     given, accumulates seconds under "generate" and "grade". share_prefill: generate's. sample_dtype:
@@ -61,7 +66,7 @@ def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapp
                   pad_id=tokenizer.pad_token_id, share_prefill=share_prefill,
                   sample_dtype=SAMPLE_DTYPES[sample_dtype])
     t1 = time.perf_counter()
-    texts = tokenizer.batch_decode(ro.completion_ids, skip_special_tokens=True)
+    texts = tokenizer.batch_decode([c.tolist() for c in ro.completion_ids], skip_special_tokens=True)
     owners = [p for p in problems for _ in range(n_samples)]
     grades = env.grade(texts, owners)
     if clock is not None:
