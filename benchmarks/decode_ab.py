@@ -79,7 +79,8 @@ def main() -> None:
 
     a, b = (generate(model, PROMPTS, args.samples, max_new_tokens=args.new, seed=0, eos_id=[], pad_id=0,
                      share_prefill=True, lean=lean) for lean in (True, False))
-    assert a.completion_ids == b.completion_ids and all(map(torch.equal, a.logp, b.logp)), "paths differ"
+    same = all(map(torch.equal, a.completion_ids, b.completion_ids)) and all(map(torch.equal, a.logp, b.logp))
+    assert same, "paths differ"
     assert torch.equal(_step_ms(model, True, args.samples, 4)[1], _step_ms(model, False, args.samples, 4)[1])
     times: dict[tuple[str, bool], list[float]] = {}
     for r in range(args.rounds):

@@ -98,8 +98,8 @@ def train_worker(opt: dict) -> dict:
         checkpointing.enable(model)
     gen = torch.Generator().manual_seed(1)
     n, P = opt["n"], 16
-    batch = pack(torch.randint(2, 1024, (n, P), generator=gen).tolist(),
-                 torch.randint(2, 1024, (n, opt["t"] - P), generator=gen).tolist(), pad_id=0)
+    batch = pack(list(torch.randint(2, 1024, (n, P), generator=gen)),
+                 list(torch.randint(2, 1024, (n, opt["t"] - P), generator=gen)), pad_id=0)
     adv = torch.randn(n, generator=gen)
     is_student = torch.arange(n) < n // 2
     optim = torch.optim.AdamW(params, lr=1e-4)

@@ -38,7 +38,7 @@ from projected_grpo.objective.losses import AGGREGATIONS, Denominators, clip_sur
 from projected_grpo.objective.teacher import TEACHER_MODES
 from projected_grpo.run import setup
 from projected_grpo.sampling.generate import generate
-from projected_grpo.sampling.pack import encode_completion
+from projected_grpo.sampling.pack import as_ids, encode_completion
 from projected_grpo.sampling.prefix import scoring
 from projected_grpo.sampling.sample import SAMPLE_DTYPES
 
@@ -119,9 +119,11 @@ def train_bound(model, knobs, segments: list[tuple[int, int]], head_tokens: int,
     return (fwd + bwd + knob + merge) / (rate * 1e9)
 
 
-def train_body(model, knobs, score, tok, prompt: list[int], comps: list[list[int]], student: torch.Tensor):
-    """run/train.py's micro-batch: pack, forward under the per-source capture, clipped surrogate with
-    dr_grpo aggregation, backward (advantages +-1 so every row has a gradient)."""
+def train_body(model, knobs, score, tok, prompt: torch.Tensor, comps: list[torch.Tensor],
+               student: torch.Tensor):
+    """run/train.py's micro-batch over one prompt (T_p,) and N completions (T_c,) of torch.long ids: pack,
+    forward under the per-source capture, clipped surrogate with dr_grpo aggregation, backward (advantages
+    +-1 so every row has a gradient)."""
     seqs = score.pack([prompt] * len(comps), comps, tok.pad_token_id, student)
     mask = seqs.completion_mask
     adv = torch.tensor([1.0, -1.0] * (len(comps) // 2) + [1.0] * (len(comps) % 2))
@@ -155,7 +157,7 @@ def main() -> None:
     env = setup.make_env(cfg)
     problem = env.problem_sets()["train"][0]
     prompt = setup.prompt_table(env, tok, [problem])[problem.id][1]
-    teacher = encode_completion(tok, env.templates(problem, "hack")[0])
+    teacher = as_ids(encode_completion(tok, env.templates(problem, "hack")[0]))
     T, N = opt.new or cfg.rollout.max_new_tokens, cfg.rollout.G_s
     dt = SAMPLE_DTYPES[cfg.rollout.sample_dtype]
     sample_rate_key = str(dt or next(model.parameters()).dtype)
