@@ -27,6 +27,7 @@ from projected_grpo.hack.direction import (
     load_direction,
     resolve,
     save_direction,
+    unavailable_controls,
 )
 from projected_grpo.hack.pairs import Pair
 from projected_grpo.hack.subspace import directions_from_grads
@@ -296,6 +297,9 @@ def test_a_control_that_cannot_be_built_is_refused(smoke):
         extract_direction(model, knobs, tok, one_per_prompt, S(k=2, control="within"))
     with pytest.raises(UserError, match="proj.control='energy' cannot be built from these pairs: energy"):
         extract_direction(model, knobs, tok, one_per_prompt, S(k=2, control="energy"))
+    # decided without a gradient, as a study decides it when it plans the arms
+    assert unavailable_controls(one_per_prompt, 0.25) == d.stats["check"]["unavailable"]
+    assert unavailable_controls(pairs, 0.25) == {}
 
 
 def test_cli_smoke_prints_axes_and_the_check(capsys, tmp_path):

@@ -214,6 +214,20 @@ def test_refused_sweep_writes_nothing(tmp_path, monkeypatch):
     assert not (tmp_path / "sweep.json").exists()
 
 
+def test_a_control_the_pairs_cannot_build_is_refused_when_planned(tmp_path):
+    # math-demo makes one (hack, clean) pair per problem: no two completions of a class to pair (within,
+    # nonhack) and no within-prompt variation but the labelled contrast (energy); two pairs give all of them
+    one = C.replace(presets.PRESETS["math-demo"], env={"modes": ("contains",), "max_problems": 40})
+    runs = experiment.plan(one, ["none", "erase", "random_V", "within_V", "energy_V"], [0], tmp_path)
+    with pytest.raises(UserError, match=r"arms \['energy_V', 'within_V'\] need V_hack controls .*energy: .*"
+                                        r"within: .*--proj.pairs-per-problem 2"):
+        experiment._check_controls(one, runs)
+    experiment._check_controls(one, runs[:3])  # erase and random_V: buildable from one pair per problem
+    two = C.replace(one, proj={"pairs_per_problem": 2})
+    all_controls = experiment.plan(two, ["within_V", "energy_V", "nonhack_V"], [0], tmp_path)
+    experiment._check_controls(two, all_controls)
+
+
 def test_cli_rejects_bad_options_in_one_line(capsys):
     assert main(["experiment", "--arms", "none,bogus"]) == 2
     assert "bogus" in capsys.readouterr().err

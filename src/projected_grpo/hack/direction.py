@@ -127,6 +127,21 @@ def _grads(model, knobs, tokenizer, lists: dict[str, list[Pair]], settings: Extr
     return out
 
 
+ENERGY_UNAVAILABLE = ("energy control: every prompt has one hack and one clean completion, so the only "
+                      "within-prompt variation is the labelled contrast itself and a label-free V of the "
+                      "same energy would be V; give several variants per prompt (pairs_per_problem >= 2)")
+
+
+def unavailable_controls(pairs: Sequence[Pair], heldout_frac: float) -> dict[str, str]:
+    """The controls that cannot be built from `pairs` (name -> why), decided as `extract` decides it, from
+    the fit pairs alone and without a gradient: a study refuses such an arm when it plans it."""
+    fit, _ = split_heldout(list(pairs), heldout_frac)
+    unavailable = _pair_lists(fit, CHECK_SEED)[1]
+    if max((len(g) for g in completions_by_prompt(fit)), default=0) <= 2:
+        unavailable["energy"] = ENERGY_UNAVAILABLE
+    return unavailable
+
+
 def _control(name: str, seed: int, G: dict, V: dict[str, Tensor], S: dict[str, Tensor], k: int,
              C_fit: dict[str, Tensor] | None) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(V, S) of control `name` drawn with `seed`. G: list name -> (g_hack, g_clean) of the fit pairs ("fit")
@@ -136,10 +151,7 @@ def _control(name: str, seed: int, G: dict, V: dict[str, Tensor], S: dict[str, T
         return random_like(V, seed), S
     if name == "energy":
         if C_fit is None:
-            raise ValueError("energy control: every prompt has one hack and one clean completion, so the "
-                             "only within-prompt variation is the labelled contrast itself and a label-free "
-                             "V of the same energy would be V; give several variants per prompt "
-                             "(pairs_per_problem >= 2)")
+            raise ValueError(ENERGY_UNAVAILABLE)
         D = {m: G["fit"][0][m].float() - G["fit"][1][m].float() for m in V}
         return energy_matched(V, C_fit, D, seed)[0], S
     V_c, S_c, _ = directions_from_grads(*G[name], k)

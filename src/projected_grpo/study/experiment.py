@@ -25,6 +25,8 @@ from typing import Literal
 from projected_grpo import config as C
 from projected_grpo import presets, store
 from projected_grpo.errors import UserError
+from projected_grpo.hack import direction
+from projected_grpo.hack import resolve as hack_resolve
 from projected_grpo.run import metrics, setup
 from projected_grpo.run import pool as P
 from projected_grpo.study import launch, report, start_eval, summary, tables
@@ -195,7 +197,27 @@ def plan_sweep(base: C.Config, tok, arms: Sequence[str], seeds: Sequence[int], o
         base = C.replace(base, pool={"path": str(out / "pool.jsonl")})
     runs = plan(base, arms, seeds, out)
     _check_existing(runs)
+    _check_controls(base, runs)
     return base, runs, notes
+
+
+def _check_controls(base: C.Config, runs: Sequence[Run]) -> None:
+    """Every planned run's V_hack control can be built from the sweep's pairs (arms change the control, not
+    the pairs): refused now, naming the arms and the fix, not at each of their runs' start hours later."""
+    needed = {r.cfg.proj.control for r in runs} - {"none", "random"}
+    if not needed or base.proj.v_path:
+        return
+    with contextlib.closing(setup.make_env(base)) as env:
+        pair_list = hack_resolve.v_pairs(base, env, env.problem_sets()["train"])
+    if not pair_list:  # no pairs at all: each run says so itself (resolve_v_hack)
+        return
+    why = direction.unavailable_controls(pair_list, base.proj.heldout_frac)
+    blocked = sorted({r.arm for r in runs if r.cfg.proj.control in why})
+    if blocked:
+        reasons = "; ".join(f"{c}: {why[c]}" for c in sorted(needed & set(why)))
+        raise UserError(f"arms {blocked} need V_hack controls that cannot be built from these "
+                        f"{len(pair_list)} pairs ({reasons}). Pass --proj.pairs-per-problem 2 (or more), or "
+                        "leave those arms out of --arms")
 
 
 def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | pathlib.Path, *, preset: str,
