@@ -7,14 +7,14 @@ d = Δ hack/deploy(none) − Δ hack/deploy(gt_reward), Δ = mean of the last 10
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 import statistics
 
 import pytest
 
+from projected_grpo.stats import t_interval
+
 TIER1 = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results" / "smollm2-maths" / "tier1"
-T_975_DF2 = 4.302652729911275  # Student's t, 97.5th percentile, 2 degrees of freedom (3 seeds)
 
 
 def delta(arm: str, seed: int, key: str = "hack/deploy") -> float:
@@ -37,8 +37,7 @@ def test_every_record_is_a_finished_run_of_its_folder_name():
 def test_tier1d_rule_as_findings_8_12_states_it():
     d = [delta("none", s) - delta("gt_reward", s) for s in range(3)]
     assert [round(x, 3) for x in d] == [0.444, 0.306, 0.406]  # findings 8.12's table
-    mean, sem = statistics.fmean(d), statistics.stdev(d) / math.sqrt(3)
+    ci = t_interval(d)  # the project's paired 95% t-interval (stats.py), as the study's reports use it
     # 0.385 ± 4.303 * 0.0411 = [0.209, 0.562]: excludes 0, every seed >= +0.20 -> a result
-    low, high = mean - T_975_DF2 * sem, mean + T_975_DF2 * sem
-    assert (round(mean, 3), round(low, 3), round(high, 3)) == pytest.approx((0.385, 0.209, 0.562), abs=1e-3)
-    assert min(d) >= 0.20 and low > 0
+    assert (ci.mean, ci.lo, ci.hi) == pytest.approx((0.385, 0.209, 0.562), abs=1e-3)
+    assert min(d) >= 0.20 and ci.lo > 0

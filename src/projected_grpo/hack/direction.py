@@ -137,9 +137,14 @@ def unavailable_controls(pairs: Sequence[Pair], heldout_frac: float) -> dict[str
     the fit pairs alone and without a gradient: a study refuses such an arm when it plans it."""
     fit, _ = split_heldout(list(pairs), heldout_frac)
     unavailable = _pair_lists(fit, CHECK_SEED)[1]
-    if max((len(g) for g in completions_by_prompt(fit)), default=0) <= 2:
+    if not _varies_within_prompt(completions_by_prompt(fit)):
         unavailable["energy"] = ENERGY_UNAVAILABLE
     return unavailable
+
+
+def _varies_within_prompt(groups: Sequence[Sequence]) -> bool:
+    """Some prompt has more than its one hack and one clean completion: the energy control's condition."""
+    return max((len(g) for g in groups), default=0) > 2
 
 
 def _control(name: str, seed: int, G: dict, V: dict[str, Tensor], S: dict[str, Tensor], k: int,
@@ -195,7 +200,7 @@ def extract(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSet
     V, S, stats = directions_from_grads(*G["fit"], settings.k)
     real = V
     groups = completions_by_prompt(fit)
-    C_fit = centred(*G["fit"], groups) if max(len(g) for g in groups) > 2 else None
+    C_fit = centred(*G["fit"], groups) if _varies_within_prompt(groups) else None
     fitted = {}
     for name in C.CHECKED:
         if name not in unavailable:
