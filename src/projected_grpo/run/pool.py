@@ -186,7 +186,7 @@ def load_pool(path: str | pathlib.Path, tokenizer, problems: Sequence,
         # JSON's doubles hold the sampler's float32 values exactly: this tensor is the one sampled
         lp = row["logp_behaviour"]
         lp = None if lp is None else torch.tensor(lp, dtype=torch.float32)
-        ids = [torch.tensor(row[k], dtype=torch.long) for k in ("prompt_ids", "completion_ids")]
+        ids = [as_ids(row[k]) for k in ("prompt_ids", "completion_ids")]
         samples.append(Sample(pid, row["mode"], *ids, row["completion"], lp, False, False, grade))
     return TeacherPool(rows=rows, samples=samples, path=str(path))
 
