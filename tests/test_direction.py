@@ -288,6 +288,53 @@ def test_smoke_model_extraction_is_well_formed_and_deterministic(smoke):
                                                          r0.V["model.layers.0.mlp.up_proj"])
 
 
+def test_one_extraction_of_many_controls_and_seeds_equals_each_own_extraction_bitwise(smoke, tmp_path,
+                                                                                      monkeypatch):
+    """extract_many: every control at every seed from one pass of gradients, each V, S and its metadata (the
+    check included) equal to that control's own extraction to the bit; resolve_many extracts only what the
+    cache lacks, in one call."""
+    from projected_grpo.hack import direction
+
+    model, knobs, tok, pairs = smoke
+    wanted = [S(k=3), S(k=3, control="random", seed=1), S(k=3, control="shuffled", seed=1),
+              S(k=3, control="shuffled", seed=2), S(k=3, control="energy", seed=2), S(k=3, control="within"),
+              S(k=3, control="nonhack"), S(k=3, control="energy")]
+    many = direction.extract_many(model, knobs, tok, pairs, wanted)
+    for s, ext in zip(wanted, many, strict=True):
+        own = extract_direction(model, knobs, tok, pairs, s)
+        assert ext.direction.meta == own.meta, s
+        for n in own.V:
+            assert torch.equal(ext.direction.V[n], own.V[n]) and torch.equal(ext.direction.S[n], own.S[n]), s
+    # the seeds draw other Vs (shuffled: the same span, other orientations)
+    m = "model.layers.0.mlp.up_proj"
+    assert not torch.equal(many[2].direction.V[m], many[3].direction.V[m])
+    with pytest.raises(ValueError, match="differ only in control and seed"):
+        direction.extract_many(model, knobs, tok, pairs, [S(k=3), S(k=2, control="random")])
+    # the cache: all missing -> one extraction; then all hit; one file lost -> only it, again in one call
+    calls = []
+    real_many = direction.extract_many
+    monkeypatch.setattr(direction, "extract_many",
+                        lambda *a, **kw: calls.append(len(a[4])) or real_many(*a, **kw))
+    paths = [tmp_path / f"{i}.safetensors" for i in range(len(wanted))]
+    found = direction.resolve_many(list(zip(paths, wanted)), model, knobs, tok, pairs)
+    assert [st for _, st in found] == ["miss"] * len(wanted) and calls == [len(wanted)]
+    assert all(torch.equal(d.V[m], e.direction.V[m]) for (d, _), e in zip(found, many))
+    paths[4].unlink()
+    found = direction.resolve_many(list(zip(paths, wanted)), model, knobs, tok, pairs)
+    assert [st for _, st in found] == ["hit"] * 4 + ["miss"] + ["hit"] * 3 and calls == [len(wanted), 1]
+    assert torch.equal(found[4][0].V[m], many[4].direction.V[m])
+    # a random control beside a cached real V is drawn from it, no gradient: equal to its own extraction
+    r5 = S(k=3, control="random", seed=5)
+    (real, st_real), (d5, st5) = direction.resolve_many([(paths[0], wanted[0]), (tmp_path / "r5", r5)],
+                                                        model, knobs, tok, pairs)
+    assert (st_real, st5) == ("hit", "miss") and calls == [len(wanted), 1]
+    own = extract_direction(model, knobs, tok, pairs, r5)
+    assert d5.meta == own.meta and all(torch.equal(d5.V[n], own.V[n]) and torch.equal(d5.S[n], own.S[n])
+                                       for n in own.V)
+    saved = load_direction(tmp_path / "r5")
+    assert {k: v for k, v in saved.meta.items() if k != "checksum"} == own.meta
+
+
 def test_a_control_that_cannot_be_built_is_refused(smoke):
     model, knobs, tok, pairs = smoke
     one_per_prompt = pairs[::2]  # one hack and one clean per prompt: no within-class pair, no energy control
@@ -316,6 +363,31 @@ def test_cli_smoke_prints_axes_and_the_check(capsys, tmp_path):
     assert "share of the completion gradients (centred per prompt) inside span(V)" in text
     assert "model.layers.0.self_attn.q_proj" in text and out.is_file()
     assert main(args) == 0 and ": hit" in capsys.readouterr().out
+
+
+def test_cli_controls_fill_the_cache_of_every_control_and_seed_train_reads(capsys, tmp_path):
+    """extract-direction --controls --seeds: one extraction caches each control (the seeded ones at each seed)
+    where `train` with that --proj.control and --run.seed reads it (its line says `hit`); the deterministic
+    controls are cached once, seed-free."""
+    from projected_grpo.cli import main
+
+    flags = ["--preset", "smoke", "--proj.pairs-per-problem", "2", "--proj.k", "2",
+             "--model.cache-dir", str(tmp_path / "cache")]
+    # the smoke model is drawn with run.seed: the runs of seed 1 read what an extraction at seed 1 cached
+    seed1 = [*flags, "--run.seed", "1"]
+    assert main(["extract-direction", *seed1, "--controls", "random", "within", "--seeds", "1", "2"]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("cache ")]
+    assert len(lines) == 4 and all(": miss" in x for x in lines), lines
+    assert [x.split("(", 1)[1] for x in lines[1:]] == ["--proj.control random, seed 1)",
+                                                       "--proj.control random, seed 2)",
+                                                       "--proj.control within)"]
+    path = lines[1].split()[1].rstrip(":")
+    run = ["--arm", "erase", "--proj.control", "random", "--run.seed", "1", "--run.steps", "1",
+           "--run.dir", str(tmp_path / "run")]
+    assert main(["train", *flags, *run]) == 0
+    assert f"V_hack {path} (hit" in capsys.readouterr().err
+    assert main(["extract-direction", *flags, "--controls", "nope"]) == 2
+    assert "--controls ['nope']: known controls are" in capsys.readouterr().err
 
 
 def test_cli_without_out_fills_the_cache_train_reads(capsys, tmp_path):

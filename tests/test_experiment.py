@@ -181,12 +181,15 @@ def test_run_all_skips_finished_resumes_interrupted(tmp_path, monkeypatch):
     write_run(runs[1].dir, [0.1] * 2, [0.1] * 2, finished=False)  # interrupted
     called = []
     monkeypatch.setattr("projected_grpo.study.launch._train_one",
-                        lambda cmd, run_dir, to_log: called.append((cmd[-3:], run_dir)))
+                        lambda cmd, run_dir, to_log, **kw: called.append((cmd[3:], run_dir)))
     counts = launch.run_all(runs, tmp_path / "plans", log=lambda m: None)
     assert counts == {"trained": 1, "resumed": 1, "skipped": 1}
-    # each run is the CLI's train on its planned config (written beside the sweep), resumed when started
+    # first one extraction fills the V_hack cache of the runs not finished (both use the real V), then each
+    # run is the CLI's train on its planned config (written beside the sweep), resumed when started
     plans = [tmp_path / "plans" / "erase-s0.json", tmp_path / "plans" / "route-s0.json"]
-    assert called == [(["--config", str(plans[0]), "--resume"], runs[1].dir),
+    assert called == [(["extract-direction", "--config", str(plans[0]), "--allow-no-pairs", "--controls",
+                        "none"], plans[0].parent),
+                      (["train", "--config", str(plans[0]), "--resume"], runs[1].dir),
                       (["train", "--config", str(plans[1])], runs[2].dir)]
     assert C.Config.from_json(str(plans[1])) == runs[2].cfg
 

@@ -55,9 +55,33 @@ def test_plans_of_several_sweeps_go_beside_each_sweep(tmp_path, monkeypatch):
     a = experiment.plan(presets.SMOKE, ["none"], [0], tmp_path / "main")
     b = experiment.plan(presets.SMOKE, ["none"], [0], tmp_path / "lomo-sentinel")
     called = []
-    monkeypatch.setattr(launch, "_train_one", lambda cmd, run_dir, to_log: called.append(cmd[-1]))
+    monkeypatch.setattr(launch, "_train_one", lambda cmd, run_dir, to_log, **kw: called.append(cmd[3:6]))
     launch.run_all(a + b, None, log=lambda m: None)  # same arm and seed in two sweeps: two plan files
-    assert called == [str(tmp_path / d / "plans" / "none-s0.json") for d in ("main", "lomo-sentinel")]
+    plans = [str(tmp_path / d / "plans" / "none-s0.json") for d in ("main", "lomo-sentinel")]
+    # one V_hack extraction serves both (alike V inputs, the same seed), then the two runs
+    assert called == [["extract-direction", "--config", plans[0]], ["train", "--config", plans[0]],
+                      ["train", "--config", plans[1]]]
+
+
+def test_runs_alike_but_for_control_and_seed_share_one_extraction(tmp_path):
+    """v_hack_groups: one extraction per group of runs whose V_hack inputs differ only in the control (a
+    seed each: the model, problems and knobs may be drawn with it), asking for every control of the group;
+    another pairs setting is another group; a run with its own V file needs none."""
+    arms = ["none", "erase", "random_V", "shuffled_V", "within_V"]
+    runs = experiment.plan(presets.SMOKE, arms, [0, 1, 2], tmp_path / "a")
+    other = experiment.plan(C.replace(presets.SMOKE, proj={"pairs_per_problem": 2}), ["erase"], [0],
+                            tmp_path / "b")
+    own = experiment.plan(C.replace(presets.SMOKE, proj={"v_path": str(tmp_path / "v.safetensors")}),
+                          ["erase"], [0], tmp_path / "c")
+    planned = [(r, tmp_path / f"{i}.json") for i, r in enumerate(runs + other + own)]
+    groups = launch.v_hack_groups(planned)
+    every = ["none", "random", "shuffled", "within"]
+    assert [(c, s, n) for _, c, s, n in groups] == [(every, [0], 5), (every, [1], 5), (every, [2], 5),
+                                                    (["none"], [], 1)]
+    assert groups[3][0] == tmp_path / f"{len(runs)}.json"  # the other pairs setting's own plan
+    assert launch.extract_command(tmp_path / "p.json", ["none", "random"], [0, 2])[3:] == [
+        "extract-direction", "--config", str(tmp_path / "p.json"), "--allow-no-pairs", "--controls", "none",
+        "random", "--seeds", "0", "2"]
 
 
 # --- the study's parts ----------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ gradients once (knob_grads.py; the controls reuse the real pairs' completions), 
 (pairs.py: shuffled, nonhack, within; controls.py: random, and energy, matched on the fit completions'
 gradients centred per prompt) and checks the real V against them on the
 held-out pairs (check.py). It returns the V that `settings.control` names, with the check of the real V in its
-stats. Also here: safetensors storage with a checksum, and `resolve` (a cache keyed by model fingerprint,
+stats; `extract_many` returns several controls and seeds from the one pass of gradients. Also here:
+safetensors storage with a checksum, and `resolve` / `resolve_many` (a cache keyed by model fingerprint,
 tokenizer, pairs hash and exactly the settings the extraction reads).
 Deliberately not here: applying V to training gradients (projection.py), the math (subspace.py), the
 `extract-direction` CLI (run/direction_cli.py).
@@ -19,7 +20,7 @@ import json
 import pathlib
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -188,24 +189,46 @@ def extract(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSet
     """extract_direction, keeping what it computed on the way (Extraction). chunk_tokens bounds the padded
     tokens of one forward and backward (knob_grads.pair_grads; None: its default): memory, not the result
     (beyond float rounding of other batch shapes)."""
-    fit, held = split_heldout(list(pairs), settings.heldout_frac)
+    return extract_many(model, knobs, tokenizer, pairs, [settings], chunk_tokens)[0]
+
+
+def control_settings(settings: ExtractSettings, control: str, seed: int) -> ExtractSettings:
+    """`settings` for another control: drawn with `seed` when the control is SEEDED, else seed 0 (the
+    deterministic controls and the real V are seed-free, so every seed shares one cached V)."""
+    return replace(settings, control=control, seed=seed if control in SEEDED else 0)
+
+
+def extract_many(model, knobs, tokenizer, pairs: Sequence[Pair], settings: Sequence[ExtractSettings],
+                 chunk_tokens: int | None = None) -> list[Extraction]:
+    """`extract` for each of `settings` (alike but for control and seed) from ONE pass of knob gradients.
+
+    Every control's pairs reuse the fit pairs' completions, and pair_grads computes each distinct sequence
+    once in first-appearance order whatever lists follow the fit and held-out ones; so each result equals its
+    own `extract` call bitwise, at the cost of one extraction (a study fills the cache of every control and
+    seed of its runs this way: `extract-direction --controls`)."""
+    if not settings:
+        return []
+    if len({control_settings(s, "none", 0) for s in settings}) != 1:
+        raise ValueError(f"extract_many: settings must differ only in control and seed, got {list(settings)}")
+    base = settings[0]
+    fit, held = split_heldout(list(pairs), base.heldout_frac)
     lists, unavailable = _pair_lists(fit, CHECK_SEED)
-    control, seed = settings.control, settings.seed
-    if control in lists and control in SEEDED and seed != CHECK_SEED:
-        lists["returned"] = PAIR_CONTROLS[control](fit, seed)
-    if control in unavailable:  # before the (slow) gradients
-        raise UserError(f"proj.control={control!r} cannot be built from these pairs: {unavailable[control]}")
+    for s in settings:  # a seeded pair control at another seed: its own pairs (their gradients are copies)
+        if s.control in lists and s.control in SEEDED and s.seed != CHECK_SEED:
+            lists.setdefault(f"{s.control}@{s.seed}", PAIR_CONTROLS[s.control](fit, s.seed))
+        if s.control in unavailable:  # before the (slow) gradients
+            raise UserError(f"proj.control={s.control!r} cannot be built from these pairs: "
+                            f"{unavailable[s.control]}")
     every_list = {"fit": fit, "held": held, **lists}
-    G = _grads(model, knobs, tokenizer, {n: ps for n, ps in every_list.items() if ps}, settings, chunk_tokens)
-    V, S, stats = directions_from_grads(*G["fit"], settings.k)
-    real = V
+    G = _grads(model, knobs, tokenizer, {n: ps for n, ps in every_list.items() if ps}, base, chunk_tokens)
+    V, S, stats = directions_from_grads(*G["fit"], base.k)
     groups = completions_by_prompt(fit)
     C_fit = centred(*G["fit"], groups) if _varies_within_prompt(groups) else None
     fitted = {}
     for name in C.CHECKED:
         if name not in unavailable:
             try:
-                fitted[name] = _control(name, CHECK_SEED, G, V, S, settings.k, C_fit)
+                fitted[name] = _control(name, CHECK_SEED, G, V, S, base.k, C_fit)
             except ValueError as e:
                 unavailable[name] = str(e)
     held_D = {m: G["held"][0][m].float() - G["held"][1][m].float() for m in V} if held else \
@@ -217,18 +240,22 @@ def extract(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSet
     if held:
         C_held = centred(*G["held"], completions_by_prompt(held))
         check["energy_heldout"] = {n: _pooled_energy(C_held, v) for n, v in every_v}
-    if control != "none":
-        if control in unavailable:
-            raise UserError(f"proj.control={control!r} cannot be built from these pairs: "
-                            f"{unavailable[control]}")
-        G_ret = {**G, control: G["returned"]} if "returned" in G else G
-        V, S = fitted[control] if seed == CHECK_SEED or control not in SEEDED else _control(
-            control, seed, G_ret, V, S, settings.k, C_fit)
     stats |= {"n_pairs": len(pairs), "n_train": len(fit), "n_heldout": len(held),
               "heldout_prompts": len(set(prompt_groups(held))), "check": check}
-    meta = cache_meta(settings, knobs, tokenizer, pairs)
-    return Extraction(Direction(V, S, {**meta, "stats": json.dumps(stats, sort_keys=True)}), real,
-                      {n: f[0] for n, f in fitted.items()}, held, G.get("held", ({}, {})))
+    out = []
+    for s in settings:
+        V_s, S_s = V, S
+        if s.control != "none":
+            if s.control in unavailable:
+                raise UserError(f"proj.control={s.control!r} cannot be built from these pairs: "
+                                f"{unavailable[s.control]}")
+            own = f"{s.control}@{s.seed}"
+            V_s, S_s = fitted[s.control] if s.seed == CHECK_SEED or s.control not in SEEDED else _control(
+                s.control, s.seed, {**G, s.control: G[own]} if own in G else G, V, S, s.k, C_fit)
+        meta = cache_meta(s, knobs, tokenizer, pairs)
+        out.append(Extraction(Direction(V_s, S_s, {**meta, "stats": json.dumps(stats, sort_keys=True)}), V,
+                              {n: f[0] for n, f in fitted.items()}, held, G.get("held", ({}, {}))))
+    return out
 
 
 # --- storage and cache -------------------------------------------------------------------------
@@ -300,6 +327,23 @@ def _meta_diff(have: dict[str, str], want: dict[str, str]) -> list[str]:
     return out
 
 
+def _cached(path: pathlib.Path, want: dict[str, str]) -> tuple[Direction | None, str]:
+    """(the cached direction at `path` when its metadata equals `want` and it verifies, else None; status)."""
+    if not path.exists():
+        return None, "miss"
+    try:
+        d = load_direction(path)
+    except DirectionFileError as e:
+        status = f"corrupt: {e}"
+    else:
+        diff = _meta_diff(d.meta, want)
+        if not diff:
+            return d, "hit"
+        status = "mismatch: " + "; ".join(diff)
+    warnings.warn(f"V_hack cache {path}: {status}; re-extracting", stacklevel=3)
+    return None, status
+
+
 def resolve(path: str | pathlib.Path, settings: ExtractSettings, model, knobs, tokenizer, pairs: list[Pair],
             *, extract: Callable[..., Direction] = extract_direction) -> tuple[Direction, str]:
     """Cached V_hack: (direction, status) with status "hit", "miss", "mismatch: ..." or "corrupt: ...".
@@ -309,19 +353,37 @@ def resolve(path: str | pathlib.Path, settings: ExtractSettings, model, knobs, t
     are re-extracted and overwritten, with a warning saying why; a wrong V is never returned.
     """
     path = pathlib.Path(path)
-    want = cache_meta(settings, knobs, tokenizer, pairs)
-    status = "miss"
-    if path.exists():
-        try:
-            d = load_direction(path)
-        except DirectionFileError as e:
-            status = f"corrupt: {e}"
-        else:
-            diff = _meta_diff(d.meta, want)
-            if not diff:
-                return d, "hit"
-            status = "mismatch: " + "; ".join(diff)
-        warnings.warn(f"V_hack cache {path}: {status}; re-extracting", stacklevel=2)
-    d = extract(model, knobs, tokenizer, pairs, settings)
-    save_direction(path, d)
+    d, status = _cached(path, cache_meta(settings, knobs, tokenizer, pairs))
+    if d is None:
+        d = extract(model, knobs, tokenizer, pairs, settings)
+        save_direction(path, d)
     return d, status
+
+
+def random_from_real(real: Direction, settings: ExtractSettings, knobs, tokenizer,
+                     pairs: Sequence[Pair]) -> Direction:
+    """Control `random` (settings.seed) of the real V `real` (settings.control "none"): only V's shapes and S
+    enter it (controls.random_like) and its stats are the real V's check, so it equals its own extraction
+    bitwise without one gradient."""
+    return Direction(random_like(real.V, settings.seed), dict(real.S),
+                     {**cache_meta(settings, knobs, tokenizer, pairs), "stats": real.meta["stats"]})
+
+
+def resolve_many(wanted: Sequence[tuple[str | pathlib.Path, ExtractSettings]], model, knobs, tokenizer,
+                 pairs: list[Pair], chunk_tokens: int | None = None) -> list[tuple[Direction, str]]:
+    """`resolve` for several (path, settings) alike but for control and seed: a random control is drawn from
+    the real V when that is cached (random_from_real); the others not cached are extracted together by ONE
+    extract_many (each equal to its own extraction); each is saved. In `wanted`'s order."""
+    found = [_cached(pathlib.Path(p), cache_meta(s, knobs, tokenizer, pairs)) for p, s in wanted]
+    real = next((d for (d, _), (_, s) in zip(found, wanted) if d is not None and s.control == "none"), None)
+    for i, ((d, status), (p, s)) in enumerate(zip(found, wanted)):
+        if d is None and s.control == "random" and real is not None:
+            found[i] = (random_from_real(real, s, knobs, tokenizer, pairs), status)
+            save_direction(p, found[i][0])
+    todo = [i for i, (d, _) in enumerate(found) if d is None]
+    made = extract_many(model, knobs, tokenizer, pairs, [wanted[i][1] for i in todo], chunk_tokens) if todo \
+        else []
+    for i, ext in zip(todo, made, strict=True):
+        save_direction(wanted[i][0], ext.direction)
+        found[i] = (ext.direction, found[i][1])
+    return found

@@ -3,6 +3,7 @@
 Each function takes the whole `Config` and reads `cfg.proj.*` (and the run's cache root):
   v_pairs          the contrastive pairs: --proj.pairs, else the environment's hack/clean templates
   extract_settings the settings the extraction reads: with the cache key, exactly what changes V
+  v_inputs         what decides V besides its control: the runs that can share one extraction
   v_hack_path      --proj.v-path, else the cache file keyed by model, tokenizer, pairs and settings
   resolve_v_hack   the cached direction (extracted on a miss, at zeroed knobs) and its held-out check: said
                    loudly when V does not beat its controls, refused under proj.require_check, and written
@@ -17,6 +18,7 @@ import pathlib
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from projected_grpo import config as C
 from projected_grpo import store
@@ -60,6 +62,21 @@ def extract_settings(cfg: C.Config) -> direction.ExtractSettings:
         # the seed only draws the seeded controls; the real V and the deterministic controls are seed-free,
         # so every seed shares one cached V
         seed=cfg.run.seed if cfg.proj.control in direction.SEEDED else 0)
+
+
+def v_inputs(cfg: C.Config) -> str | None:
+    """A stable key of what decides the run's V_hack besides proj.control: the model, the environment (its
+    pairs), the pairs options, the other extraction settings, and run.seed (the smoke model, the maths
+    problems and the knobs are drawn with it). Runs with one key share one extraction (study/launch.py fills
+    their cache with one `extract-direction --controls`); a key too fine only costs a cache check. None when
+    the run reads its own file (proj.v_path)."""
+    if cfg.proj.v_path:
+        return None
+    d = cfg.to_dict()
+    alike = direction.control_settings(extract_settings(cfg), "none", 0)
+    return store.stable_hash({"model": d["model"], "env": d["env"], "pairs": cfg.proj.pairs,
+                              "pairs_per_problem": cfg.proj.pairs_per_problem, "settings": asdict(alike),
+                              "seed": cfg.run.seed})
 
 
 def v_pairs(cfg: C.Config, env, problems: Sequence) -> list[pairs.Pair]:
@@ -109,8 +126,12 @@ def resolve_v_hack(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequen
     if not path.exists():
         _log(f"V_hack: extracting from {len(pair_list)} pairs into {path} (first use of these inputs)")
     t0 = time.perf_counter()
+    wanted = [(path, settings)]
+    if settings.control == "random" and not cfg.proj.v_path:  # drawn from the real V, cached or extracted
+        real = direction.control_settings(settings, "none", 0)
+        wanted.insert(0, (v_hack_path(cfg, knobs, tokenizer, pair_list, real), real))
     with at_zero(knobs):  # model.init_knobs / dpo.before: still the base model's V_hack (its cache key)
-        found, status = direction.resolve(path, settings, model, knobs, tokenizer, pair_list)
+        found, status = direction.resolve_many(wanted, model, knobs, tokenizer, pair_list)[-1]
     text, passed = check_report(cfg, found)
     _log(text)
     if cfg.run.dir and pathlib.Path(cfg.run.dir).is_dir():

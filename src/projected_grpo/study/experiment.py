@@ -237,8 +237,8 @@ def sweep(base: C.Config, arms: Sequence[str], seeds: Sequence[int], out: str | 
     store.write_json_atomic(out / "sweep.json", {"command": command, "preset": preset, "arms": list(arms),
                                                    "seeds": list(seeds), "lomo": lomo,
                                                    "base": base.to_dict()})
-    stage(3, f"{len(runs)} runs ({len(arms)} arms x {len(seeds)} seeds); the first run needing a V_hack "
-             "extracts it into the cache (no output until done), the others load it")
+    stage(3, f"{len(runs)} runs ({len(arms)} arms x {len(seeds)} seeds); first one extraction per seed "
+             "fills the V_hack cache of every control of the runs not finished, then the runs load theirs")
     counts = launch.run_all(runs, out / "plans", log, jobs=jobs, backend=backend, ray_address=ray_address,
                             command=command)  # SIGTERM / Ctrl-C: every run stopped, then this command resumes
     stage(4, "report")

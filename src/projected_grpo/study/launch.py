@@ -8,6 +8,8 @@ BACKENDS: `local` runs `jobs` at once on this machine through a thread pool of s
 `concurrent.futures`); `ray` submits each run as a Ray task (the same command, with its CPU request) to a
 running cluster or a local Ray instance. A parallel run's output goes to `<run dir>/train.log`. `jobs` 0
 means what the cores allow: cores // run_cpus (default_jobs). No scheduler of our own: threads or Ray.
+Before its runs, a sweep fills their V_hack cache: one `extract-direction --controls` per group of runs
+whose V_hack inputs are alike (v_hack_groups: per seed), so each control is not one more extraction.
 A sweep owns its runs: each starts in a process group of its own and learns the sweep's pid (PARENT_ENV: the
 CLI then has the kernel SIGTERM it should the sweep die, even by SIGKILL); SIGTERM or Ctrl-C to the sweep
 sends SIGTERM to every run's group, waits for them (SIGKILL after STOP_GRACE_S), starts no other run, and
@@ -30,6 +32,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 from projected_grpo import store
 from projected_grpo.errors import Interrupted, UserError
+from projected_grpo.hack import direction
+from projected_grpo.hack import resolve as hack_resolve
 from projected_grpo.run import metrics
 
 Log = Callable[[str], None]
@@ -44,6 +48,31 @@ def train_command(plan: pathlib.Path, resume: bool) -> list[str]:
     """The argv that trains one planned run (the CLI, so the run is exactly what a user would type)."""
     return [sys.executable, "-m", "projected_grpo.cli", "train", "--config", str(plan),
             *(["--resume"] if resume else [])]
+
+
+def extract_command(plan: pathlib.Path, controls: Sequence[str], seeds: Sequence[int]) -> list[str]:
+    """The argv that fills the V_hack cache of a group of runs in one extraction: `plan`'s direction and
+    `controls` (the seeded ones drawn with each of `seeds`), cached where each run's `train` reads it."""
+    return [sys.executable, "-m", "projected_grpo.cli", "extract-direction", "--config", str(plan),
+            "--allow-no-pairs", "--controls", *controls, *(["--seeds", *map(str, seeds)] if seeds else [])]
+
+
+def v_hack_groups(planned: Sequence[tuple]) -> list[tuple[pathlib.Path, list[str], list[int], int]]:
+    """The extractions `planned` runs ((run, plan path) pairs) need, one per group of runs whose V_hack
+    inputs are alike but for the control (hack/resolve.v_inputs: one group per seed): (one plan of the
+    group, the group's controls, the seeds of its seeded controls, its number of runs). Runs with their own
+    V file need none."""
+    groups: dict[str, list[tuple]] = {}
+    for run, plan in planned:
+        key = hack_resolve.v_inputs(run.cfg)
+        if key is not None:
+            groups.setdefault(key, []).append((run, plan))
+    out = []
+    for members in groups.values():
+        controls = sorted({r.cfg.proj.control for r, _ in members})
+        seeds = sorted({r.cfg.run.seed for r, _ in members if r.cfg.proj.control in direction.SEEDED})
+        out.append((members[0][1], controls, seeds, len(members)))
+    return out
 
 
 def cores() -> int:
@@ -140,15 +169,18 @@ def _stopped_by_signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
-def _train_one(cmd: list[str], run_dir: pathlib.Path, to_log: bool) -> None:
-    """Run one training command to its end, in a process group of its own; RunFailed when it fails. A sweep
-    that is stopping starts nothing, and a run it stopped is not a failure."""
+def _train_one(cmd: list[str], run_dir: pathlib.Path, to_log: bool, what: str = "",
+               log_path: pathlib.Path | None = None) -> None:
+    """Run one training command (or another step of the sweep, named by `what`) to its end, in a process
+    group of its own, its output appended to log_path (default <run_dir>/train.log) when to_log; RunFailed
+    when it fails. A sweep that is stopping starts nothing, and a run it stopped is not a failure."""
     if _RUNS.signum is not None:
         return
     log = None
+    log_path = log_path or run_dir / LOG_FILE
     if to_log:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        log = open(run_dir / LOG_FILE, "a", encoding="utf-8")  # closed below
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(log_path, "a", encoding="utf-8")  # closed below
     proc = None
     try:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, process_group=0,
@@ -171,10 +203,11 @@ def _train_one(cmd: list[str], run_dir: pathlib.Path, to_log: bool) -> None:
         if log is not None:
             log.close()
     if returncode and _RUNS.signum is None:
-        where = f"; its output is in {run_dir / LOG_FILE}" if to_log else ""
+        where = f"; its output is in {log_path}" if to_log else ""
         # the run printed why (one line for a user's mistake, a traceback for a bug): say which, once
-        raise RunFailed(f"run {run_dir} failed (exit {returncode}){where}; fix what it printed, then "
-                        "rerun the sweep's command: it resumes that run from its last checkpoint")
+        raise RunFailed(f"{what or f'run {run_dir}'} failed (exit {returncode}){where}; fix what it printed, "
+                        "then rerun the sweep's command: it resumes " + ("there" if what else
+                                                                         "that run from its last checkpoint"))
 
 
 def run_all(runs: Sequence, plans_dir: pathlib.Path | None, log: Log, jobs: int = 1, backend: str = "local",
@@ -189,7 +222,7 @@ def run_all(runs: Sequence, plans_dir: pathlib.Path | None, log: Log, jobs: int 
     if backend not in BACKENDS:
         raise UserError(f"--backend {backend!r}: choose one of {list(BACKENDS)}")
     counts = {"trained": 0, "resumed": 0, "skipped": 0}
-    todo = []
+    todo, planned = [], []
     for i, run in enumerate(runs, 1):
         head = f"[run {i}/{len(runs)}] arm {run.arm}, seed {run.seed} -> {run.dir}"
         if (run.dir / metrics.SUMMARY_FILE).exists():  # its config was checked against the plan
@@ -201,10 +234,15 @@ def run_all(runs: Sequence, plans_dir: pathlib.Path | None, log: Log, jobs: int 
         resume = (run.dir / metrics.METRICS_FILE).exists()
         counts["resumed" if resume else "trained"] += 1
         todo.append((head, train_command(plan, resume), run.dir, resume))
+        planned.append((run, plan))
     if todo:
         _RUNS.signum = None
         try:
             with _stopped_by_signals():
+                # every control of a seed from one extraction (the runs then load theirs), not one per run;
+                # on a cluster the cache is each node's own, so the runs extract there
+                if not ray_address:
+                    _fill_v_hack_cache(v_hack_groups(planned), log, jobs or default_jobs(run_cpus(runs)))
                 BACKENDS[backend](todo, log, jobs, run_cpus(runs), ray_address)
         except _Stop as e:
             _RUNS.reap_all()
@@ -214,6 +252,31 @@ def run_all(runs: Sequence, plans_dir: pathlib.Path | None, log: Log, jobs: int 
                                         f"at its last checkpoint; run {again} again to resume the sweep"
                               ) from None
     return counts
+
+
+def _fill_v_hack_cache(groups: list, log: Log, jobs: int) -> None:
+    """One `extract-direction --controls` per group (v_hack_groups), `jobs` at once like the runs (so as much
+    memory as the runs' own extractions took); each one's output in `<plans>/<plan>.v_hack.log` when several
+    run at once. A failed extraction raises RunFailed after the others finish."""
+    def one(plan: pathlib.Path, controls: list[str], seeds: list[int], n: int, to_log: bool) -> None:
+        if _RUNS.signum is not None:
+            return
+        what = f"V_hack of {n} run(s) ({plan.stem}): controls {', '.join(controls)}"
+        log(f"{what} from one extraction, cached where each run reads it (a hit when done before)"
+            + (f" (output in {plan.with_suffix('.v_hack.log')})" if to_log else ""))
+        _train_one(extract_command(plan, controls, seeds), plan.parent, to_log=to_log, what=what,
+                   log_path=plan.with_suffix(".v_hack.log"))
+
+    if jobs <= 1 or len(groups) <= 1:
+        for group in groups:
+            one(*group, to_log=False)
+        return
+    ex = concurrent.futures.ThreadPoolExecutor(jobs)
+    try:
+        for fut in concurrent.futures.as_completed([ex.submit(one, *g, to_log=True) for g in groups]):
+            fut.result()
+    finally:
+        ex.shutdown(wait=True, cancel_futures=_RUNS.signum is not None)
 
 
 def _local(todo: list, log: Log, jobs: int, cpus: int, ray_address: str) -> None:
