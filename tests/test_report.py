@@ -176,7 +176,34 @@ def test_check_section_prints_the_v_check_of_the_projection_arms(tmp_path):
     assert "ours: V_hack held-out check FAILED: V_hack does NOT beat the energy control(s)" in "\n".join(
         VT.lines(t))
     md = "\n".join(VT.check_section(t))
-    assert "V_hack `v.safetensors`, used by erase" in md and "energy V    0.500 [0.300, 0.700]" in md
+    assert "V_hack of runs erase-s0, erase-s1 (" in md and "the real V `v.safetensors`" in md
+    assert "energy V    0.500 [0.300, 0.700]" in md and md.count("```") == 2  # one V, printed once
+
+
+def test_one_v_per_seed_each_check_is_reported_with_its_runs(tmp_path):
+    """Where the pairs are drawn with the seed, each seed's runs hold their own V and check: the verdict line
+    counts the runs whose V passed and names the one that failed; the section prints every V once."""
+    from projected_grpo.hack.resolve import CHECK_FILE
+
+    runs = _runs(tmp_path, {"none": ([0.6, 0.6], [0.3, 0.3], None), "erase": ([0.2, 0.3], [0.3, 0.3], ERASE),
+                            "erase_no_pool": ([0.2, 0.3], [0.3, 0.3], ERASE)})
+    runs["erase_no_pool"] = runs["erase"]  # the same runs, as when mix is 0 (study/arms.py)
+    win = {"diff": [0.2, 0.1, 0.3], "p": 0.01, "p_holm": 0.01, "beats": True}
+    lose = {"diff": [0.0, -0.1, 0.1], "p": 0.9, "p_holm": 0.9, "beats": False}
+    for d, (vs, real) in zip(runs["erase"], [(win, 0.7), (lose, 0.5)]):
+        check = {"n_pairs": 6, "n_prompts": 3, "unavailable": {}, "passed": vs["beats"],
+                 "scores": {"real": [real, real - 0.1, real + 0.1], "energy": [0.5, 0.3, 0.7]},
+                 "vs": {"energy": vs}}
+        store.write_json_atomic(d / CHECK_FILE, {"v_hack": f"v-{d.name}.safetensors", "control": "none",
+                                                 "passed": vs["beats"], "check": check})
+    t = tables.tables(runs)
+    line = next(x for x in VT.lines(t) if "held-out check" in x)
+    assert "held-out check passed for 1 of 2 runs (one V per seed" in line
+    assert "erase-s0: passed (held-out separation: real 0.700" in line
+    assert "erase-s1: FAILED: V_hack does NOT beat the energy control(s)" in line
+    md = "\n".join(VT.check_section(t))
+    assert md.count("```") == 4 and "V_hack of runs erase-s0 (" in md and "V_hack of runs erase-s1 (" in md
+    assert "`v-erase-s1.safetensors`" in md and "real V      0.700 [0.600, 0.800]" in md
 
 
 # --- plot and report.md ---------------------------------------------------------------------------

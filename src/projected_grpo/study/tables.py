@@ -11,7 +11,7 @@ equal the student rates except under `route`).
   curves           arm -> key -> (steps, Stat per step), optionally each seed's rolling mean first
   aggregate_modes  arm -> mode -> first / last 10 steps' hack and solve of that loophole mode
   arm_info         arm -> what its config says (projection arm, control, gate, teacher rows)
-  checks           arm -> the held-out check of the V_hack its runs used (hack/check.py), or None
+  checks           arm -> each run's held-out check of the V_hack it used (hack/check.py)
 Deliberately not here: the verdicts (verdicts.py, ours.py), formatting (report.py).
 """
 
@@ -179,14 +179,14 @@ def arm_info(runs: Runs) -> dict[str, ArmInfo]:
     return out
 
 
-def checks(runs: Runs) -> dict[str, dict | None]:
-    """arm -> the held-out check of the real V_hack its runs resolved (CHECK_FILE of its first run that has
-    one), None when none has (arm none without pairs, or runs from before the check)."""
-    out: dict[str, dict | None] = {}
-    for arm, dirs in runs.items():
-        files = [pathlib.Path(d) / CHECK_FILE for d in dirs if (pathlib.Path(d) / CHECK_FILE).is_file()]
-        out[arm] = json.loads(files[0].read_text(encoding="utf-8")) if files else None
-    return out
+def checks(runs: Runs) -> dict[str, list[tuple[str, dict]]]:
+    """arm -> (run directory name, the held-out check of the real V_hack it resolved: its CHECK_FILE) for each
+    of its runs that has one; empty when none has (arm none without pairs, or runs from before the check).
+    Runs of one arm may hold different checks: where the pairs are drawn with the seed (the maths problems),
+    each seed has its own V."""
+    files = {arm: [pathlib.Path(d) / CHECK_FILE for d in dirs] for arm, dirs in runs.items()}
+    return {arm: [(f.parent.name, json.loads(f.read_text(encoding="utf-8"))) for f in fs if f.is_file()]
+            for arm, fs in files.items()}
 
 
 @dataclass(frozen=True)
@@ -199,7 +199,7 @@ class Tables:
     seeds: dict[str, dict[int, dict[str, float]]]
     modes: dict[str, dict[str, dict[str, Stat]]]
     info: dict[str, ArmInfo]
-    checks: dict[str, dict | None]
+    checks: dict[str, list[tuple[str, dict]]]
 
 
 def tables(runs: Runs) -> Tables:

@@ -76,15 +76,36 @@ def arm_verdict(t: Tables, arm: str, folds: Folds | None = None) -> V.Prereg:
         V.held_out_lost(f6), V.relearned(end, t.start.get(arm), info.projects_grad)])
 
 
-def _fmt_check(chk: dict | None) -> str:
-    if chk is None:
+def _distinct(found: list[tuple[str, dict]]) -> list[tuple[list[str], dict]]:
+    """Runs' checks grouped by content: (the runs holding it, the check), in first-run order."""
+    out: dict[str, tuple[list[str], dict]] = {}
+    for run, chk in found:
+        out.setdefault(repr(chk.get("check")), ([], chk))[0].append(run)
+    return list(out.values())
+
+
+def _fmt_check(found: list[tuple[str, dict]]) -> str:
+    """One line: the check of the arm's V, or, where its runs used different Vs (one per seed), how many
+    passed and each V's check with its runs."""
+    if not found:
         return "no V_hack check recorded (runs from before the check, or no V_hack)"
+    groups = _distinct(found)
+    if len(groups) == 1:
+        return _fmt_one(groups[0][1])
+    passed = sum(len(r) for r, chk in groups if check.verdict(chk.get("check", {}))[0])
+    return (f"passed for {passed} of {len(found)} runs (one V per seed: the pairs are drawn with it): "
+            + "; ".join(f"{', '.join(r)}: {_fmt_one(chk, brief=True)}" for r, chk in groups))
+
+
+def _fmt_one(chk: dict, brief: bool = False) -> str:
+    """The check's word, why (not when brief and passed), and each V's held-out separation."""
     passed, why = check.verdict(chk.get("check", {}))
+    why = "" if brief and passed else f": {why}"
     scores = chk.get("check", {}).get("scores", {})
     # the real V first, then the controls in check.CHECKED's order (a stored check comes back sorted)
     order = ["real", *check.CHECKED, *sorted(set(scores) - {"real", *check.CHECKED})]
     vals = ", ".join(f"{n} {scores[n][0]:.3f}" for n in order if n in scores)
-    return f"{ {True: 'passed', False: 'FAILED', None: 'undecided'}[passed] }: {why}" + (
+    return f"{ {True: 'passed', False: 'FAILED', None: 'undecided'}[passed] }{why}" + (
         f" (held-out separation: {vals})" if vals else "")
 
 
@@ -136,21 +157,15 @@ def lines(t: Tables, folds: Folds | None = None) -> list[str]:
 
 
 def check_section(t: Tables) -> list[str]:
-    """Markdown: each distinct held-out check of the real V_hack among the projection arms, in full."""
-    seen: dict[str, list[str]] = {}
-    body: dict[str, dict] = {}
-    for arm in verdict_arms(t):
-        chk = t.checks.get(arm)
-        if chk is None or t.info[arm].proj_arm == "none":
-            continue
-        key = repr(chk.get("check"))
-        seen.setdefault(key, []).append(arm)
-        body[key] = chk
+    """Markdown: each distinct held-out check of the real V_hack among the projection arms' runs, in full,
+    with the runs that used it (one V per seed where the pairs are drawn with the seed)."""
+    found = [rc for arm in verdict_arms(t) if t.info[arm].proj_arm != "none" for rc in t.checks.get(arm, [])]
+    found = list({run: (run, chk) for run, chk in found}.values())  # arms sharing runs (erase_no_pool)
     out = []
-    for key, arms in seen.items():
-        out += [f"V_hack `{body[key].get('v_hack', '?')}`, used by {', '.join(arms)} (each control arm's own "
-                "V is one of the controls below, drawn with its own seed):", "", "```",
-                *check.lines(body[key].get("check", {})), "```", ""]
+    for runs, chk in _distinct(found):
+        out += [f"V_hack of runs {', '.join(runs)} (each control arm's own V is one of the controls below, "
+                f"drawn with its own seed; the real V `{chk.get('v_hack', '?')}`):", "", "```",
+                *check.lines(chk.get("check", {})), "```", ""]
     return out or ["No run recorded a V_hack check.", ""]
 
 
