@@ -87,6 +87,31 @@ def test_energy_control_matches_the_real_v_and_is_another_subspace(seed, k):
     assert abs(float(Ve["m"][0, 5])) < 0.9
 
 
+def test_wide_modules_take_the_thin_svd_and_give_the_eigh_subspaces():
+    """N < R (fewer completions than knob dimensions): U from A's thin SVD spans what eigh(AᵀA) gives (the
+    projectors agree); the matched energy is exact; a real V outside A's row space (energy 0, the least of
+    any K) is matched by a W drawn outside it too."""
+    from projected_grpo.hack.controls import _top_and_bottom
+
+    gen = torch.Generator().manual_seed(3)
+    N, R, K = 12, 40, 3
+    A = torch.randn(N, R, generator=gen, dtype=torch.float64) * torch.linspace(5, 0.5, R, dtype=torch.float64)
+    U, bottom = _top_and_bottom(A, K, torch.Generator().manual_seed(0))
+    evecs = torch.linalg.eigh(A.T @ A)[1][:, -K:].T  # the O(R³) way
+    torch.testing.assert_close(U.T @ U, evecs.T @ evecs, atol=1e-9, rtol=0)
+    torch.testing.assert_close(U @ U.T, torch.eye(K, dtype=torch.float64), atol=1e-12, rtol=0)
+    W = bottom()
+    assert energy(A, W) < 1e-12 and float((W @ U.T).abs().max()) < 1e-12  # outside the row space
+    V = _orthonormal(K, R, 1)
+    Ve, st_ = energy_matched_module(V, A.float(), A.float(), torch.Generator().manual_seed(0))
+    assert st_["w"] == "random"
+    assert energy(A.float(), Ve) == pytest.approx(energy(A.float(), V), abs=ENERGY_TOL)
+    null = torch.linalg.svd(A, full_matrices=True)[2][N:N + K].float()  # a real V A cannot see: energy 0
+    Ve, st_ = energy_matched_module(null, A.float(), A.float(), torch.Generator().manual_seed(0))
+    assert st_["w"] == "bottom" and energy(A.float(), Ve) == pytest.approx(0.0, abs=ENERGY_TOL)
+    torch.testing.assert_close(Ve @ Ve.T, torch.eye(K), atol=1e-5, rtol=0)
+
+
 def test_energy_control_is_seeded_and_refuses_2k_over_r():
     g_hack, g_clean = _grads(0)
     V, _, _ = directions_from_grads(g_hack, g_clean, 3)

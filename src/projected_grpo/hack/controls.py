@@ -23,14 +23,16 @@ How energy_matched matches, exactly: with M = CᵀC, U its top-K eigenvectors (r
 orthogonal to U, the rows v_i = cos t·u_i + sin t·w_i are orthonormal and, since M u_i = λ_i u_i ⟂ w_i,
 energy(V) = cos²t·energy(U) + sin²t·energy(W): linear in cos²t, solved in closed form. W is a seeded random
 draw; when even that captures more than the real V, W is M's bottom-K eigenvectors, which capture the least
-of any K directions (Ky Fan), so a solution always exists. Needs 2K <= R (U and W disjoint).
+of any K directions (Ky Fan), so a solution always exists. Needs 2K <= R (U and W disjoint). With fewer
+completions than a module's knob dimensions, U comes from C's thin SVD and the bottom K are drawn outside
+C's row space (energy 0): the same subspaces, without the O(R³) eigendecomposition (_top_and_bottom).
 Deliberately not here: applying any V (knobs/projection.py), the held-out comparison (check.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
@@ -60,6 +62,20 @@ def _complement(U: Tensor, K: int, gen: torch.Generator) -> Tensor:
     return Q.T
 
 
+def _top_and_bottom(A64: Tensor, K: int, gen: torch.Generator) -> tuple[Tensor, Callable[[], Tensor]]:
+    """For A (N, R) float64: (U (K, R), M = AᵀA's top-K eigenvectors as rows; a function giving K orthonormal
+    rows that capture the least energy of any K). With K <= N < R (a LoRA knob's wide modules: R 8192 against
+    a few thousand completions) from A's thin SVD, O(N²R) where eigh(M) is O(R³) (minutes per module): M's
+    eigenvectors of nonzero eigenvalue are A's right singular vectors, and its least eigenvalue is 0, taken by
+    any rows outside A's row space (a seeded draw, _complement). Otherwise from eigh(M)."""
+    N, R = A64.shape
+    if K <= N < R:
+        _, _, Vh = torch.linalg.svd(A64, full_matrices=False)  # (N, R), by singular value, descending
+        return Vh[:K].contiguous(), lambda: _complement(Vh, K, gen)
+    evals, evecs = torch.linalg.eigh(A64.T @ A64)  # ascending
+    return evecs[:, -K:].T.contiguous(), lambda: evecs[:, :K].T.contiguous()
+
+
 def energy_matched_module(V: Tensor, A: Tensor, D: Tensor, gen: torch.Generator) -> tuple[Tensor, dict]:
     """One module: V (K, R) the real rows, A (N, R) the reference gradients (C of the module docstring), D
     (P, R) pair differences -> (V_e (K, R) orthonormal, oriented by D's vote, with energy(A, V_e) =
@@ -70,13 +86,11 @@ def energy_matched_module(V: Tensor, A: Tensor, D: Tensor, gen: torch.Generator)
     if 2 * K > R:
         raise ValueError(f"energy control: K={K} rows need 2K <= R={R} (top-K and a disjoint K)")
     A64 = A.double()
-    M = A64.T @ A64  # (R, R)
-    evals, evecs = torch.linalg.eigh(M)  # ascending
-    U = evecs[:, -K:].T.contiguous()  # (K, R) top-K
+    U, bottom = _top_and_bottom(A64, K, gen)
     W, which = _complement(U, K, gen), "random"
     e_real, e_top, e_w = energy(A64, V.double()), energy(A64, U), energy(A64, W)
     if e_w > e_real:  # the real V captures less than a random K: mix with the least energetic K instead
-        W, which = evecs[:, :K].T.contiguous(), "bottom"
+        W, which = bottom(), "bottom"
         e_w = energy(A64, W)
     cos2 = 1.0 if e_top <= e_w else min(1.0, max(0.0, (e_real - e_w) / (e_top - e_w)))
     Ve = math.sqrt(cos2) * U + math.sqrt(1.0 - cos2) * W  # (K, R) orthonormal: U ⟂ W

@@ -41,7 +41,9 @@ from projected_grpo.hack.pairs import (
 from projected_grpo.hack.subspace import centred, directions_from_grads, energy
 from projected_grpo.store import load_tensors, save_tensors, tokenizer_fingerprint
 
-FORMAT = "projected-grpo/v_hack/2"
+# /3: the energy control of wide modules from a thin SVD (controls._top_and_bottom): V files of /2 are
+# re-extracted, so no cache mixes the two constructions
+FORMAT = "projected-grpo/v_hack/3"
 # every control of V_hack (docs/preregistration.md, "Controls"): pair-level ones change the pairs before the
 # fit (pairs.PAIR_CONTROLS), V-level ones replace the real V after it (controls.py)
 CONTROLS = ("none", "random", "shuffled", "nonhack", "within", "energy")
