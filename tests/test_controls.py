@@ -88,9 +88,9 @@ def test_energy_control_matches_the_real_v_and_is_another_subspace(seed, k):
 
 
 def test_wide_modules_take_the_thin_svd_and_give_the_eigh_subspaces():
-    """N < R (fewer completions than knob dimensions): U from A's thin SVD spans what eigh(AᵀA) gives (the
-    projectors agree); the matched energy is exact; a real V outside A's row space (energy 0, the least of
-    any K) is matched by a W drawn outside it too."""
+    """N < R (fewer completions than knob dimensions): U from the Gram matrix A Aᵀ spans what eigh(AᵀA) gives
+    (the projectors agree); the matched energy is exact; a real V outside A's row space (energy 0, the least
+    of any K) is matched by a W drawn outside it too; below rank K the SVD's rows stand in."""
     from projected_grpo.hack.controls import _top_and_bottom
 
     gen = torch.Generator().manual_seed(3)
@@ -110,6 +110,11 @@ def test_wide_modules_take_the_thin_svd_and_give_the_eigh_subspaces():
     Ve, st_ = energy_matched_module(null, A.float(), A.float(), torch.Generator().manual_seed(0))
     assert st_["w"] == "bottom" and energy(A.float(), Ve) == pytest.approx(0.0, abs=ENERGY_TOL)
     torch.testing.assert_close(Ve @ Ve.T, torch.eye(K), atol=1e-5, rtol=0)
+    # rank below K (2 independent rows): the SVD's rows instead, orthonormal, spanning A's whole row space
+    low = torch.randn(N, 2, generator=gen, dtype=torch.float64) @ A[:2]
+    U, _ = _top_and_bottom(low, K, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(U @ U.T, torch.eye(K, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert energy(low, U) == pytest.approx(1.0, abs=1e-6)  # energy() sums in float32
 
 
 def test_energy_control_is_seeded_and_refuses_2k_over_r():

@@ -24,8 +24,9 @@ orthogonal to U, the rows v_i = cos t·u_i + sin t·w_i are orthonormal and, sin
 energy(V) = cos²t·energy(U) + sin²t·energy(W): linear in cos²t, solved in closed form. W is a seeded random
 draw; when even that captures more than the real V, W is M's bottom-K eigenvectors, which capture the least
 of any K directions (Ky Fan), so a solution always exists. Needs 2K <= R (U and W disjoint). With fewer
-completions than a module's knob dimensions, U comes from C's thin SVD and the bottom K are drawn outside
-C's row space (energy 0): the same subspaces, without the O(R³) eigendecomposition (_top_and_bottom).
+completions than a module's knob dimensions, U comes from the completions' Gram matrix C Cᵀ and the bottom K
+are drawn outside C's row space (energy 0): the same subspaces, without the O(R³) eigendecomposition
+(_top_and_bottom).
 Deliberately not here: applying any V (knobs/projection.py), the held-out comparison (check.py).
 """
 
@@ -65,13 +66,21 @@ def _complement(U: Tensor, K: int, gen: torch.Generator) -> Tensor:
 def _top_and_bottom(A64: Tensor, K: int, gen: torch.Generator) -> tuple[Tensor, Callable[[], Tensor]]:
     """For A (N, R) float64: (U (K, R), M = AᵀA's top-K eigenvectors as rows; a function giving K orthonormal
     rows that capture the least energy of any K). With K <= N < R (a LoRA knob's wide modules: R 8192 against
-    a few thousand completions) from A's thin SVD, O(N²R) where eigh(M) is O(R³) (minutes per module): M's
-    eigenvectors of nonzero eigenvalue are A's right singular vectors, and its least eigenvalue is 0, taken by
-    any rows outside A's row space (a seeded draw, _complement). Otherwise from eigh(M)."""
+    a few thousand completions) from the N x N Gram A Aᵀ = Q Λ Qᵀ, O(N²R + N³) where eigh(M) is O(R³)
+    (minutes per module): u_i = Aᵀq_i / sqrt(λ_i) is M's eigenvector of the same eigenvalue. M's least
+    eigenvalue is then 0, taken by any rows outside A's row space (a seeded draw, _complement; the row space
+    from A's thin SVD, computed only if asked). Otherwise from eigh(M)."""
     N, R = A64.shape
     if K <= N < R:
-        _, _, Vh = torch.linalg.svd(A64, full_matrices=False)  # (N, R), by singular value, descending
-        return Vh[:K].contiguous(), lambda: _complement(Vh, K, gen)
+        lam, Q = torch.linalg.eigh(A64 @ A64.T)  # (N,), (N, N) ascending: O(N²R + N³)
+        row_space = lambda: torch.linalg.svd(A64, full_matrices=False)[2]  # (N, R): only for the rare bottom
+        bottom = lambda: _complement(row_space(), K, gen)
+        if lam[-K] > 1e-10 * lam[-1]:  # the top K well above 0: u = Aᵀq / sqrt(λ) is exact to rounding
+            U = A64.T @ Q[:, -K:] / lam[-K:].sqrt()  # (R, K): M's top-K eigenvectors, ascending as eigh's
+            Qr, Rr = torch.linalg.qr(U)  # orthonormal to the last bit, each column's sign kept
+            return (Qr * torch.sign(Rr.diagonal())).T.contiguous(), bottom
+        Vh = row_space()  # rank below K: the SVD's rows are eigenvectors however small their eigenvalues
+        return Vh[:K].flip(0).contiguous(), bottom
     evals, evecs = torch.linalg.eigh(A64.T @ A64)  # ascending
     return evecs[:, -K:].T.contiguous(), lambda: evecs[:, :K].T.contiguous()
 
