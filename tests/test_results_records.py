@@ -1,7 +1,8 @@
 """The committed run records (docs/results/) give the numbers the docs quote from them.
 
 findings 8.10's rule, recomputed from the records of SmolLM2's Tier 1c/1d runs: per seed,
-d = Δ hack/deploy(none) − Δ hack/deploy(gt_reward), Δ = mean of the last 10 steps − mean of the first 10.
+d = Δ hack/deploy(none) − Δ hack/deploy(gt_reward), Δ = mean of the last 10 steps − mean of the first 10;
+and Tier 2's main part (findings 8.16) from its records.
 """
 
 from __future__ import annotations
@@ -41,3 +42,30 @@ def test_tier1d_rule_as_findings_8_12_states_it():
     # 0.385 ± 4.303 * 0.0411 = [0.209, 0.562]: excludes 0, every seed >= +0.20 -> a result
     assert (ci.mean, ci.lo, ci.hi) == pytest.approx((0.385, 0.209, 0.562), abs=1e-3)
     assert min(d) >= 0.20 and ci.lo > 0
+
+
+TIER2 = TIER1.parent / "tier2"
+
+
+def last5(folder: pathlib.Path, key: str = "hack/deploy") -> float:
+    """A run's last-5-step mean of `key`: what a study report's tables average over seeds."""
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 100 and json.loads((folder / "summary.json").read_text())
+    return statistics.fmean(r[key] for r in rows[-5:])
+
+
+def test_tier2_main_part_as_findings_8_16_states_it():
+    """erase's exploited rate and its paired differences with none and random_V (findings 8.16, results.md
+    §4), from the records: none from Tier 1 (8.13 says why), erase and random_V from Tier 2."""
+    none = [last5(TIER1 / f"none-s{s}") for s in range(3)]
+    erase = [last5(TIER2 / f"erase-s{s}") for s in range(3)]
+    rand = [last5(TIER2 / f"random_V-s{s}") for s in range(3)]
+    assert [round(x, 3) for x in erase] == [0.237, 0.169, 0.194]
+    assert [round(x, 3) for x in rand] == [0.312, 0.212, 0.450]
+    assert statistics.fmean(erase) == pytest.approx(0.200, abs=5e-4)
+    vs_none = t_interval([100 * (e - n) for e, n in zip(erase, none)])  # points
+    assert (vs_none.mean, vs_none.lo, vs_none.hi) == pytest.approx((-23.1, -34.0, -12.3), abs=0.05)
+    vs_rand = t_interval([100 * (e - r) for e, r in zip(erase, rand)])
+    assert (vs_rand.mean, vs_rand.lo, vs_rand.hi) == pytest.approx((-12.5, -41.0, 16.0), abs=0.05)
+    assert vs_rand.lo < 0 < vs_rand.hi  # does not beat its random-V control at 3 seeds
+    assert statistics.fmean(last5(TIER2 / f"erase-s{s}", "format/deploy") for s in range(3)) > 0.95
