@@ -41,8 +41,8 @@ from projected_grpo.hack.pairs import (
 from projected_grpo.hack.subspace import centred, directions_from_grads, energy
 from projected_grpo.store import load_tensors, save_tensors, tokenizer_fingerprint
 
-# /3: the energy control of wide modules from a thin SVD (controls._top_and_bottom): V files of /2 are
-# re-extracted, so no cache mixes the two constructions
+# /3: the energy control of wide modules from the completions' Gram matrix (controls._top_and_bottom): V
+# files of /2 are re-extracted, so no cache mixes the two constructions
 FORMAT = "projected-grpo/v_hack/3"
 # every control of V_hack (docs/preregistration.md, "Controls"): pair-level ones change the pairs before the
 # fit (pairs.PAIR_CONTROLS), V-level ones replace the real V after it (controls.py)
@@ -194,8 +194,14 @@ def extract(model, knobs, tokenizer, pairs: Sequence[Pair], settings: ExtractSet
     return extract_many(model, knobs, tokenizer, pairs, [settings], chunk_tokens)[0]
 
 
+def _refuse_unavailable(control: str, unavailable: dict[str, str]) -> None:
+    """UserError when proj.control names a control that cannot be built from these pairs (and why)."""
+    if control in unavailable:
+        raise UserError(f"proj.control={control!r} cannot be built from these pairs: {unavailable[control]}")
+
+
 def control_settings(settings: ExtractSettings, control: str, seed: int) -> ExtractSettings:
-    """`settings` for another control: drawn with `seed` when the control is SEEDED, else seed 0 (the
+    """`settings` for another control: drawn with `seed` when the control is SEEDED, else with 0 (the
     deterministic controls and the real V are seed-free, so every seed shares one cached V)."""
     return replace(settings, control=control, seed=seed if control in SEEDED else 0)
 
@@ -218,9 +224,7 @@ def extract_many(model, knobs, tokenizer, pairs: Sequence[Pair], settings: Seque
     for s in settings:  # a seeded pair control at another seed: its own pairs (their gradients are copies)
         if s.control in lists and s.control in SEEDED and s.seed != CHECK_SEED:
             lists.setdefault(f"{s.control}@{s.seed}", PAIR_CONTROLS[s.control](fit, s.seed))
-        if s.control in unavailable:  # before the (slow) gradients
-            raise UserError(f"proj.control={s.control!r} cannot be built from these pairs: "
-                            f"{unavailable[s.control]}")
+        _refuse_unavailable(s.control, unavailable)  # before the (slow) gradients
     every_list = {"fit": fit, "held": held, **lists}
     G = _grads(model, knobs, tokenizer, {n: ps for n, ps in every_list.items() if ps}, base, chunk_tokens)
     V, S, stats = directions_from_grads(*G["fit"], base.k)
@@ -248,9 +252,7 @@ def extract_many(model, knobs, tokenizer, pairs: Sequence[Pair], settings: Seque
     for s in settings:
         V_s, S_s = V, S
         if s.control != "none":
-            if s.control in unavailable:
-                raise UserError(f"proj.control={s.control!r} cannot be built from these pairs: "
-                                f"{unavailable[s.control]}")
+            _refuse_unavailable(s.control, unavailable)  # now with the ones only the gradients showed
             own = f"{s.control}@{s.seed}"
             V_s, S_s = fitted[s.control] if s.seed == CHECK_SEED or s.control not in SEEDED else _control(
                 s.control, s.seed, {**G, s.control: G[own]} if own in G else G, V, S, s.k, C_fit)

@@ -271,10 +271,19 @@ def _fill_v_hack_cache(groups: list, log: Log, jobs: int) -> None:
         for group in groups:
             one(*group, to_log=False)
         return
+    _in_parallel(lambda g: one(*g, to_log=True), groups, jobs)
+
+
+def _in_parallel(fn: Callable, items: Sequence, jobs: int, done: Callable | None = None) -> None:
+    """fn(item) for every item, `jobs` at once in threads; done(item) as each finishes. A failure raises once
+    the running ones finish; stopped by a signal, the items not started yet never start."""
     ex = concurrent.futures.ThreadPoolExecutor(jobs)
     try:
-        for fut in concurrent.futures.as_completed([ex.submit(one, *g, to_log=True) for g in groups]):
+        futures = {ex.submit(fn, item): item for item in items}
+        for fut in concurrent.futures.as_completed(futures):
             fut.result()
+            if done is not None:
+                done(futures[fut])
     finally:
         ex.shutdown(wait=True, cancel_futures=_RUNS.signum is not None)
 
@@ -295,14 +304,8 @@ def _local(todo: list, log: Log, jobs: int, cpus: int, ray_address: str) -> None
         log(f"{head}: {'resuming' if resume else 'training'} (output in {run_dir / LOG_FILE})")
         _train_one(cmd, run_dir, to_log=True)
 
-    ex = concurrent.futures.ThreadPoolExecutor(jobs)
-    try:
-        futures = {ex.submit(start, *item): item[0] for item in todo}
-        for fut in concurrent.futures.as_completed(futures):
-            fut.result()  # a failed run raises here, naming its log; the others finish first
-            log(f"{futures[fut]}: done")
-    finally:  # stopped by a signal: the runs not started yet never start
-        ex.shutdown(wait=True, cancel_futures=_RUNS.signum is not None)
+    # a failed run raises here, naming its log; the others finish first
+    _in_parallel(lambda item: start(*item), todo, jobs, done=lambda item: log(f"{item[0]}: done"))
 
 
 def _ray_task(cmd: list[str], run_dir: str) -> None:
