@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from projected_grpo.organism import build
 from projected_grpo.organism.build import OrganismConfig, build_organism
 
 TINY = OrganismConfig(vocab_size=400, hidden=16, layers=1, heads=2, max_positions=512, per_problem=4, steps=3,
@@ -20,7 +21,8 @@ def test_shipped_weights_install_check_and_rebuild(tmp_path, monkeypatch):
 
     monkeypatch.setattr(shipped, "SHIPPED", tmp_path / "pkg")
     logs: list[str] = []
-    built = build_organism(TINY, cache_dir=tmp_path / "a", log=logs.append)
+    # one thread in both builds: "one machine" includes the thread count (docs/reproducibility.md)
+    built = build_organism(TINY, cache_dir=tmp_path / "a", log=logs.append, threads=1)
     key = built.name
     dest = shipped.ship(built, key)  # the maintainers' step: files + SHA256SUMS in the package
     assert shipped.read_manifest(dest) == shipped.manifest(dest) and shipped.WEIGHTS in shipped.manifest(dest)
@@ -29,12 +31,25 @@ def test_shipped_weights_install_check_and_rebuild(tmp_path, monkeypatch):
     assert got.name == key and "installed the shipped weights" in logs[-1]
     assert shipped.sha256(got / shipped.WEIGHTS) == shipped.sha256(built / shipped.WEIGHTS)
     # --rebuild trains anyway and compares: one machine, one process -> the same weights
-    again = build_organism(TINY, cache_dir=tmp_path / "b", log=logs.append, rebuild=True)
+    again = build_organism(TINY, cache_dir=tmp_path / "b", log=logs.append, rebuild=True, threads=1)
     assert again.name == f"{key}-rebuilt" and "equals the shipped weights" in logs[-1]
     # a damaged package is refused, naming the file (a rebuild would silently be another model)
     (dest / shipped.WEIGHTS).write_bytes(b"damaged")
     with pytest.raises(RuntimeError, match=r"\['model.safetensors'\] do not match"):
         build_organism(TINY, cache_dir=tmp_path / "c", log=None)
+
+
+@pytest.mark.parametrize(("cores", "load", "want"), [
+    (2, 0.3, 2),  # idle 2-core machine: both cores (round(0.3) = 0 busy)
+    (2, 0.6, 1),  # round(0.6) = 1 core busy -> 2 - 1 = 1
+    (2, 1.4, 1),  # 2 - round(1.4) = 1
+    (2, 5.0, 1),  # 2 - 5 < 1 -> at least 1
+    (8, 2.6, 5),  # 8 - round(2.6) = 8 - 3 = 5
+])
+def test_auto_threads_leaves_the_busy_cores_alone(monkeypatch, cores, load, want):
+    monkeypatch.setattr(build.os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    monkeypatch.setattr(build.os, "getloadavg", lambda: (load, 0.0, 0.0), raising=False)
+    assert build.auto_threads() == want
 
 
 @pytest.mark.parametrize("preset", ["demo", "math-demo"])

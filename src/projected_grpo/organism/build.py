@@ -278,9 +278,18 @@ def organism_key(cfg: OrganismConfig, corpus: Corpus, split_digits: bool = False
     return stable_hash(spec)
 
 
+def auto_threads() -> int:
+    """Torch threads for a build: the cores this process may use, less the 1-minute load average (rounded),
+    at least 1. A second thread only pays on an idle core: OpenMP's threads wait for each other at every
+    operation, so a thread descheduled by another job stalls the whole warm-up (docs/benchmarks.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    return max(1, cores - round(load))
+
+
 def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | os.PathLike | None = None,
                    corpus: Corpus | None = None, split_digits: bool = False,
-                   log: Callable[[str], None] | None = print, threads: int | None = 1,
+                   log: Callable[[str], None] | None = print, threads: int = 0,
                    rebuild: bool = False) -> pathlib.Path:
     """Build (or find in the cache, or install from the package) the organism of `corpus` (default: the
     coding one); returns its HF model directory. `split_digits`: a digit-per-token tokenizer (the maths
@@ -290,9 +299,10 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     a key the package carries is installed into the cache, not trained. `rebuild` trains from scratch
     anyway, into `<cache>/organism/<key>-rebuilt`, and logs whether the result equals the shipped weights.
 
-    The warm-up runs on `threads` torch threads (restored afterwards; None leaves the setting alone):
-    one thread is the fastest on a busy 2-core machine and makes the build bit-reproducible across
-    machines with different core counts.
+    The warm-up runs on `threads` torch threads (restored afterwards; 0 = `auto_threads()`, every core
+    the load average leaves idle). Measured on the AMD EPYC 2-core VM that built the shipped weights: two
+    threads build the default organism in 496 s against ~800 s on one, to the same bytes; on cores that are
+    already busy a second thread makes the warm-up up to 10x slower (docs/benchmarks.md).
 
     The directory is `<cache>/organism/<organism_key>` and holds the model, the tokenizer and
     `organism.json` (config, key, held-out ids, warm-up log). Written to a temp directory and
@@ -330,9 +340,12 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
         log(f"organism: building {key}: {n_params / 1e6:.2f}M params, vocab {len(tokenizer)}, "
             f"{len(examples)} warm-up examples on {len(corpus.problems) - len(held_out)} problems "
             f"({len(held_out)} held out) and {full.extra} warm-up-only ones, {cfg.steps} steps")
+    threads = threads or auto_threads()
+    if log:
+        log(f"organism: warm-up on {threads} torch thread(s)")
     old_threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(threads or old_threads)
+        torch.set_num_threads(threads)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(cfg.seed)
             rows = warmup(model, examples, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
@@ -343,7 +356,8 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     meta = {"key": key, "config": dataclasses.asdict(cfg), "code": ORGANISM_CODE_VERSION,
             **({"split_digits": True} if split_digits else {}),
             "n_params": n_params, "vocab": len(tokenizer), "held_out": sorted(held_out),
-            "n_extra": full.extra, "n_examples": len(examples), "build_s": time.perf_counter() - t0,
+            "n_extra": full.extra, "n_examples": len(examples), "threads": threads,
+            "build_s": time.perf_counter() - t0,
             "warmup_log": rows}
     with atomic_dir(out) as tmp:  # a concurrent build that finished first wins
         model.save_pretrained(tmp)

@@ -13,7 +13,13 @@ import torch
 import tyro
 
 from projected_grpo.organism import shipped
-from projected_grpo.organism.build import OrganismConfig, build_organism, builtin_corpus, load_organism
+from projected_grpo.organism.build import (
+    OrganismConfig,
+    auto_threads,
+    build_organism,
+    builtin_corpus,
+    load_organism,
+)
 from projected_grpo.organism.checks import format_checks, organism_checks
 from projected_grpo.store import write_text_atomic
 
@@ -34,8 +40,8 @@ class BuildOpts:
     """samples per held-out problem for the checks (their solve rate is about 1%: 8 would often read 0)"""
     max_new_tokens: int = 128
     """token budget per sampled completion in the checks (the demo preset's)"""
-    threads: int = 1
-    """torch CPU threads (1 is fastest on a busy 2-core machine, and keeps builds bit-reproducible)"""
+    threads: int = 0
+    """torch CPU threads for the warm-up (0 = every core the load average leaves idle: build.auto_threads)"""
     rebuild: bool = False
     """train from scratch even when the package ships this organism, and say whether the result equals the
     shipped weights (into <cache>/organism/<key>-rebuilt)"""
@@ -46,7 +52,7 @@ class BuildOpts:
 def main(argv: list[str]) -> int:
     """Entry point of `projected-grpo build-organism`."""
     opts = tyro.cli(BuildOpts, args=argv, prog="projected-grpo build-organism")
-    torch.set_num_threads(opts.threads)
+    torch.set_num_threads(opts.threads or auto_threads())
     cache_dir = opts.cache_dir or None
     path = build_organism(opts.organism, cache_dir=cache_dir, threads=opts.threads, rebuild=opts.rebuild)
     if opts.ship:

@@ -23,7 +23,7 @@ import tyro
 
 from projected_grpo.envs.maths import arithmetic
 from projected_grpo.envs.maths.env import HELDOUT_SEED, MathEnv
-from projected_grpo.organism.build import OrganismConfig, build_organism, load_organism
+from projected_grpo.organism.build import OrganismConfig, auto_threads, build_organism, load_organism
 from projected_grpo.organism.warmup import Corpus, env_corpus
 from projected_grpo.sampling.generate import step_seed
 from projected_grpo.sampling.pack import as_ids, encode_prompt
@@ -83,7 +83,7 @@ def maths_corpus(cfg: MathsOrganismConfig) -> Corpus:
 def build_maths_organism(cfg: MathsOrganismConfig = MathsOrganismConfig(), *,
                          cache_dir: str | os.PathLike | None = None,
                          log: Callable[[str], None] | None = print,
-                         threads: int | None = 1) -> pathlib.Path:
+                         threads: int = 0) -> pathlib.Path:
     """Build (or find in the cache) the maths organism; returns its HF model directory."""
     model = dataclasses.replace(cfg.model, **CODE_ONLY_OFF)
     return build_organism(model, cache_dir=cache_dir, corpus=maths_corpus(cfg), split_digits=True,
@@ -159,14 +159,14 @@ class MathsBuildOpts:
     """samples per problem at T = 1"""
     max_new_tokens: int = 32
     """token budget per sampled completion"""
-    threads: int = 1
-    """torch CPU threads (1 keeps builds bit-reproducible)"""
+    threads: int = 0
+    """torch CPU threads for the warm-up (0 = every core the load average leaves idle: build.auto_threads)"""
 
 
 def main(argv: list[str]) -> int:
     """Entry point of `projected-grpo build-maths-organism`."""
     opts = tyro.cli(MathsBuildOpts, args=argv, prog="projected-grpo build-maths-organism")
-    torch.set_num_threads(opts.threads)
+    torch.set_num_threads(opts.threads or auto_threads())
     path = build_maths_organism(opts.organism, cache_dir=opts.cache_dir or None, threads=opts.threads)
     if opts.eval_size:
         model, tok, _ = load_organism(path)
