@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from projected_grpo.organism.build import OrganismConfig, _with_extras, build_tokenizer, tiny_model
-from projected_grpo.organism.warmup import builtin_corpus, held_out_ids, warmup, warmup_examples
+from projected_grpo.organism.build import OrganismConfig, _with_extras, seeded_warmup, warmup_inputs
+from projected_grpo.organism.warmup import builtin_corpus, held_out_ids
 
 
 def main() -> None:
@@ -37,21 +37,14 @@ def main() -> None:
     corpus = builtin_corpus().base
     held_out = held_out_ids(corpus, cfg.holdout_per_mode)
     full = _with_extras(cfg, corpus, held_out)
-    tok = build_tokenizer(full.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries)
-    examples = warmup_examples(full, tok, held_out, per_problem=cfg.per_problem, mix=cfg.mix, seed=cfg.seed,
-                               per_extra=cfg.per_extra, careful=cfg.careful or None, forms=cfg.forms)
     times: dict[int, list[float]] = {n: [] for n in args.threads}
     weights: dict[int, dict[str, torch.Tensor]] = {}
     for r in range(args.rounds):
         for n in (args.threads if r % 2 == 0 else args.threads[::-1]):
-            model = tiny_model(tok, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
-                               max_positions=cfg.max_positions, seed=cfg.seed)
+            tok, model, examples = warmup_inputs(cfg, full, held_out)  # a fresh model (tokenizer cached)
             torch.set_num_threads(n)
             t0 = time.perf_counter()
-            with torch.random.fork_rng(devices=[]):  # as build_organism: the warm-up under the config's seed
-                torch.manual_seed(cfg.seed)
-                warmup(model, examples, steps=args.steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                       weight_decay=cfg.weight_decay, seed=cfg.seed, pad_id=tok.pad_token_id)
+            seeded_warmup(cfg, model, examples, tok.pad_token_id, steps=args.steps)  # as build_organism
             times[n].append((time.perf_counter() - t0) / args.steps)
             print(f"round {r}: {n} thread(s) {times[n][-1]:.3f} s/step", flush=True)
             weights[n] = {k: v.clone() for k, v in model.state_dict().items()}

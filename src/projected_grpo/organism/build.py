@@ -278,6 +278,32 @@ def organism_key(cfg: OrganismConfig, corpus: Corpus, split_digits: bool = False
     return stable_hash(spec)
 
 
+def warmup_inputs(cfg: OrganismConfig, full: Corpus, held_out: frozenset[str], split_digits: bool = False,
+                  cache_dir: str | os.PathLike | None = None
+                  ) -> tuple[PreTrainedTokenizerFast, AutoModelForCausalLM, list]:
+    """What the warm-up trains, from cfg and the corpus with its warm-up-only problems (`full`, as
+    _with_extras makes it): (tokenizer, the initial model, the warm-up examples)."""
+    tokenizer = build_tokenizer(full.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries,
+                                split_digits=split_digits, cache_dir=cache_dir)
+    model = tiny_model(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
+                       max_positions=cfg.max_positions, seed=cfg.seed)
+    examples = warmup_examples(full, tokenizer, held_out, per_problem=cfg.per_problem, mix=cfg.mix,
+                               seed=cfg.seed, per_extra=cfg.per_extra, careful=cfg.careful or None,
+                               forms=cfg.forms)
+    return tokenizer, model, examples
+
+
+def seeded_warmup(cfg: OrganismConfig, model, examples: list, pad_id: int,
+                  log: Callable[[str], None] | None = None,
+                  steps: int | None = None) -> list[dict[str, float]]:
+    """The build's warm-up of `model` (warmup.warmup with cfg's schedule) under cfg.seed, in a forked RNG so
+    the caller's stream is neither read nor moved; `steps` (default cfg.steps) cuts it short, for timing."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        return warmup(model, examples, steps=cfg.steps if steps is None else steps, batch_size=cfg.batch_size,
+                      lr=cfg.lr, weight_decay=cfg.weight_decay, seed=cfg.seed, pad_id=pad_id, log=log)
+
+
 def auto_threads() -> int:
     """Torch threads for a build: the cores this process may use, less the 1-minute load average (rounded),
     at least 1. A second thread only pays on an idle core: OpenMP's threads wait for each other at every
@@ -324,13 +350,7 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
         return out
     shutil.rmtree(out, ignore_errors=True)  # a rebuild replaces the last one
     t0 = time.perf_counter()
-    tokenizer = build_tokenizer(full.texts(), cfg.vocab_size, word_boundaries=cfg.word_boundaries,
-                                split_digits=split_digits, cache_dir=cache_dir)
-    model = tiny_model(tokenizer, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
-                       max_positions=cfg.max_positions, seed=cfg.seed)
-    examples = warmup_examples(full, tokenizer, held_out, per_problem=cfg.per_problem, mix=cfg.mix,
-                               seed=cfg.seed, per_extra=cfg.per_extra, careful=cfg.careful or None,
-                               forms=cfg.forms)
+    tokenizer, model, examples = warmup_inputs(cfg, full, held_out, split_digits, cache_dir)
     longest = max(len(e.prompt_ids) + len(e.completion_ids) for e in examples)
     if longest > cfg.max_positions:
         raise ValueError(f"build_organism: a warm-up sequence has {longest} tokens > max_positions="
@@ -346,11 +366,7 @@ def build_organism(cfg: OrganismConfig = OrganismConfig(), *, cache_dir: str | o
     old_threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed)
-            rows = warmup(model, examples, steps=cfg.steps, batch_size=cfg.batch_size, lr=cfg.lr,
-                          weight_decay=cfg.weight_decay, seed=cfg.seed, pad_id=tokenizer.pad_token_id,
-                          log=log)
+        rows = seeded_warmup(cfg, model, examples, tokenizer.pad_token_id, log)
     finally:
         torch.set_num_threads(old_threads)
     meta = {"key": key, "config": dataclasses.asdict(cfg), "code": ORGANISM_CODE_VERSION,

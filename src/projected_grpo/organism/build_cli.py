@@ -52,9 +52,10 @@ class BuildOpts:
 def main(argv: list[str]) -> int:
     """Entry point of `projected-grpo build-organism`."""
     opts = tyro.cli(BuildOpts, args=argv, prog="projected-grpo build-organism")
-    torch.set_num_threads(opts.threads or auto_threads())
+    threads = opts.threads or auto_threads()  # once: the build and the checks run on the same count
+    torch.set_num_threads(threads)
     cache_dir = opts.cache_dir or None
-    path = build_organism(opts.organism, cache_dir=cache_dir, threads=opts.threads, rebuild=opts.rebuild)
+    path = build_organism(opts.organism, cache_dir=cache_dir, threads=threads, rebuild=opts.rebuild)
     if opts.ship:
         print(f"organism: shipped to {shipped.ship(path, path.name.removesuffix('-rebuilt'))}")
     if opts.out:

@@ -166,8 +166,9 @@ class MathsBuildOpts:
 def main(argv: list[str]) -> int:
     """Entry point of `projected-grpo build-maths-organism`."""
     opts = tyro.cli(MathsBuildOpts, args=argv, prog="projected-grpo build-maths-organism")
-    torch.set_num_threads(opts.threads or auto_threads())
-    path = build_maths_organism(opts.organism, cache_dir=opts.cache_dir or None, threads=opts.threads)
+    threads = opts.threads or auto_threads()  # once: the build and the checks run on the same count
+    torch.set_num_threads(threads)
+    path = build_maths_organism(opts.organism, cache_dir=opts.cache_dir or None, threads=threads)
     if opts.eval_size:
         model, tok, _ = load_organism(path)
         env = corpus_env(opts.organism, opts.eval_size)

@@ -44,8 +44,9 @@ class ExtractOpts(presets.Base):
     """also extract these controls (random, shuffled, nonhack, within, energy, none) from the same gradients,
     each cached where `train` reads it with that --proj.control (one extraction for a whole study)"""
     seeds: tuple[int, ...] = ()
-    """the seeds the seeded controls among --controls are drawn with (empty: --run.seed); a run with another
-    --run.seed reads them only where its model and pairs do not depend on the seed (the cache key says)"""
+    """the random seeds the seeded controls among --controls are drawn with (empty: --run.seed); a run with
+    another --run.seed reads them only where its model and pairs do not depend on the seed (the cache key
+    says)"""
     allow_no_pairs: bool = False
     """exit 0 with a line when there are no pairs (a study's runs in such an environment need no V_hack)"""
 

@@ -60,8 +60,8 @@ def extract_command(plan: pathlib.Path, controls: Sequence[str], seeds: Sequence
 def v_hack_groups(planned: Sequence[tuple]) -> list[tuple[pathlib.Path, list[str], list[int], int]]:
     """The extractions `planned` runs ((run, plan path) pairs) need, one per group of runs whose V_hack
     inputs are alike but for the control (hack/resolve.v_inputs: one group per seed): (one plan of the
-    group, the group's controls, the seeds of its seeded controls, its number of runs). Runs with their own
-    V file need none."""
+    group, the group's controls, the random seeds of its seeded controls, its number of runs). Runs with
+    their own V file need none."""
     groups: dict[str, list[tuple]] = {}
     for run, plan in planned:
         key = hack_resolve.v_inputs(run.cfg)
