@@ -198,10 +198,10 @@ def _sysv_kinds_in_use() -> list[str]:
     return kinds
 
 
-def _sysv_ids(kind: str) -> list[int]:
-    """Ids of this IPC namespace's System V objects of `kind` (shm, msg, sem): /proc/sysvipc shows the
-    reader's own namespace."""
-    fd = os.open(f"/proc/sysvipc/{kind}", os.O_RDONLY)
+def read_proc(path: str) -> bytes:
+    """The whole of a /proc file, read with os.open/os.read rather than open(): far fewer pages touched in a
+    forked worker (docs/benchmarks.md, "Sandbox throughput")."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         data, chunk = b"", b"-"
         while chunk:
@@ -209,7 +209,13 @@ def _sysv_ids(kind: str) -> list[int]:
             data += chunk
     finally:
         os.close(fd)
-    return [int(row.split()[1]) for row in data.splitlines()[1:]]
+    return data
+
+
+def _sysv_ids(kind: str) -> list[int]:
+    """Ids of this IPC namespace's System V objects of `kind` (shm, msg, sem): /proc/sysvipc shows the
+    reader's own namespace."""
+    return [int(row.split()[1]) for row in read_proc(f"/proc/sysvipc/{kind}").splitlines()[1:]]
 
 
 class _SockFprog(ctypes.Structure):

@@ -60,15 +60,7 @@ iso = load_sibling("sandbox_isolation")
 def _leftovers(template: int) -> list[int]:
     """Live and zombie children of this (subreaper) worker other than the template: every process an
     execution left behind (orphans reparent here when their parents die)."""
-    fd = os.open("/proc/thread-self/children", os.O_RDONLY)  # not open(): far fewer pages touched
-    try:
-        data, chunk = b"", b"-"
-        while chunk:
-            chunk = os.read(fd, 1 << 16)
-            data += chunk
-    finally:
-        os.close(fd)
-    return [int(p) for p in data.split() if int(p) != template]
+    return [int(p) for p in iso.read_proc("/proc/thread-self/children").split() if int(p) != template]
 
 
 def _sweep(uid: int, child: int | None, template: int) -> None:
