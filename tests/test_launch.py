@@ -202,6 +202,8 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
     # the bench: its two arms trained, none and gt_reward main's, one table
     assert "## The intervention bench" in md and "| penalty | ground_truth | per-sample | 1 |" in md
     assert "| inoculation | - | none | 1 |" in md and "| none | - | none | 1 |" in md
+    # under it the evasion table: the monitor's recall early and late, each arm's hack and its detectors
+    assert "## Is the monitor evaded?" in md and "| penalty | ground_truth | 1 | " in md
     assert (out / "interventions" / "inoculation-s0" / "summary.json").is_file()
     assert not (out / "interventions" / "none-s0").exists()
     assert "[main](main/report.md)" in md and "[lomo-sentinel](lomo-sentinel/report.md)" in md

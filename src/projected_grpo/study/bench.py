@@ -48,7 +48,7 @@ def _pts(x: float | None) -> str:
     return "-" if x is None else f"{100 * x + 0.0:+.1f}"
 
 
-def _name(arm: str) -> tuple[str, str]:
+def split_arm(arm: str) -> tuple[str, str]:
     """(intervention, monitor) of an arm name `<intervention>:<monitor>[@twin]`; other arms: (arm, "-")."""
     base, at, twin = arm.partition("@")
     i, colon, m = base.partition(":")
@@ -99,7 +99,7 @@ def table(t: Tables, arms: Sequence[str]) -> str:
             beats = {True: "beats", False: "does not beat", None: "undecided"}[c.beats]
             p = "" if c.p_holm is None else f", Holm p {c.p_holm:.2g}"
             vr = f"{beats} ({_pts(-c.gap.interval.mean)}{p})"
-        i, m = _name(arm)
+        i, m = split_arm(arm)
         rows.append(f"| {i} | {m} | {_labels(arm)} | {st[HACK].n} | {st[HACK].fmt()} | {st[SOLVE].fmt()} | "
                     f"{st[FORMAT].fmt()} | {word} | {_pts(vs_none)} | {vs_gt} | {vr} |")
     return "\n".join(head + rows)

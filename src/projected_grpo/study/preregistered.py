@@ -32,7 +32,7 @@ from projected_grpo import presets, store
 from projected_grpo.errors import UserError
 from projected_grpo.run import metrics
 from projected_grpo.study import arms as arms_table
-from projected_grpo.study import bench, experiment, launch, report, tables
+from projected_grpo.study import bench, evasion, experiment, launch, report, tables
 from projected_grpo.study import verdict_text as VT
 
 # the preregistration's three arms, its three negative controls and the two that can fail where they could
@@ -221,9 +221,12 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
     bench_md = []
     for part, _, by_arm, _ in planned:
         if part.name == INTERVENTIONS:
+            order = [*(a for a in BASELINES if a in by_arm), *(a for a in by_arm if a not in BASELINES)]
             bench_md = ["## The intervention bench (docs/interventions.md; the verdict is ours, written down "
                         "before the runs)", "",
-                        bench.table(tables.tables(by_arm), [a for a in by_arm if a not in BASELINES]), ""]
+                        bench.table(tables.tables(by_arm), [a for a in by_arm if a not in BASELINES]), "",
+                        "## Is the monitor evaded? (docs/interventions.md; descriptive, no verdict)", "",
+                        evasion.table({a: [tables.read_run(d)[1] for d in by_arm[a]] for a in order}), ""]
             store.write_text_atomic(out / part.name / "bench.md", "\n".join(bench_md) + "\n")
     table = report.results_table(tables.aggregate(rows))
     n_runs = sum(len(runs) for _, runs, _, _ in planned)
