@@ -164,14 +164,18 @@ def test_each_bench_arm_trains_on_smoke(tmp_path, arm):
 
 
 @pytest.mark.slow
-def test_a_resumed_direction_screen_run_equals_an_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_resumed_direction_screen_run_equals_an_uninterrupted_one(tmp_path, every):
     # the monitor is rebuilt on resume (direction: its held-out pairs; a probe would be refitted at the base
-    # model), so the run continues as if never stopped: step 2 again from the step-2 checkpoint
-    sections = {"monitor": {"kind": "direction", "intervention": "screen"}}
-    T.train(small(tmp_path, "whole", run={"steps": 3}, **sections))
+    # model), so the run continues as if never stopped: step 2 again from the step-2 checkpoint, which is a
+    # step that re-scores the held-out pairs also when that happens every 2nd step only
+    sections = {"monitor": {"kind": "direction", "intervention": "screen", "direction_every": every}}
+    T.train(small(tmp_path, "whole", run={"steps": 3, "checkpoint_every": 2}, **sections))
     shutil.copytree(tmp_path / "whole", tmp_path / "cut")
     shutil.rmtree(tmp_path / "cut" / "ckpt-000003")
-    T.train(small(tmp_path, "cut", run={"steps": 3, "resume": True}, **sections))
+    T.train(small(tmp_path, "cut", run={"steps": 3, "checkpoint_every": 2, "resume": True}, **sections))
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
     assert strip(metrics.read_rows(tmp_path / "cut" / "metrics.jsonl")) == \
         strip(metrics.read_rows(tmp_path / "whole" / "metrics.jsonl"))
+    rescored = ["monitor/heldout_bacc" in r for r in metrics.read_rows(tmp_path / "whole" / "metrics.jsonl")]
+    assert rescored == ([True, True, True] if every == 1 else [True, False, True])

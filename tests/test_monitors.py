@@ -237,6 +237,30 @@ def test_direction_score_is_V_dot_the_rollouts_own_nll_gradient(tmp_path):
     assert ((scores > 0.5) == flags).all()
 
 
+def test_direction_every_n_steps_rescored_between_reuses_the_threshold(tmp_path):
+    inp = _inputs(tmp_path, "direction", NoGrading(CodeEnv(load_problems(max_problems=12))))
+    inp.cfg = C.replace(inp.cfg, monitor={"direction_every": 2})
+    m = monitors.build(inp)
+    prob = inp.train_problems[0]
+    p_ids = prompt_text_and_ids(inp.tokenizer, inp.env.messages(prob))[1]
+    texts = inp.env.templates(prob, "hack")[:1] + inp.env.templates(prob, "clean")[:1]
+    c_ids = [inp.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    batch = lambda step: monitors.view([_sample(Poison(), p_ids, c) for c in c_ids], m.reads, step, range(2))
+    _, _, s0 = m.score(batch(0))
+    with torch.no_grad():  # move the knobs: at step 1 the held-out pairs would give another threshold
+        for knob in inp.knobs.modules.values():
+            knob.delta.add_(0.05)
+    raw = m.raw([torch.tensor(p_ids)] * 2, [torch.tensor(c) for c in c_ids])
+    _, flags1, s1 = m.score(batch(1))  # reused: step 0's threshold, no held-out pass, no bacc
+    assert s1 == {"monitor/threshold": s0["monitor/threshold"]} and "monitor/heldout_bacc" in s0
+    assert flags1.tolist() == [w > s0["monitor/threshold"] for w in raw.tolist()]
+    _, _, s2 = m.score(batch(2))  # re-scored at the moved knobs
+    assert "monitor/heldout_bacc" in s2 and s2["monitor/threshold"] != s0["monitor/threshold"]
+    # a checkpoint between two re-scorings would resume off the unbroken run's schedule: refused
+    with pytest.raises(UserError, match="checkpoint_every"):
+        C.replace(inp.cfg, monitor={"direction_every": 3}, run={"checkpoint_every": 2})
+
+
 def test_monitors_an_environment_cannot_serve_are_refused_in_one_line(tmp_path):
     plain = RewardFnEnv(lambda prompts, completions, **kw: [0.0] * len(completions),
                         [PromptRow("a", "Say hi.", {}), PromptRow("b", "Say bye.", {})])

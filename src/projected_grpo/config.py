@@ -315,6 +315,12 @@ class Config:
         if self.loss.algo == "ppo" and self.monitor.intervention in ("screen", "advantage"):
             raise UserError(f"config: monitor.intervention={self.monitor.intervention!r} acts on GRPO's "
                             "group advantages; PPO (loss.algo ppo) takes penalty or inoculation")
+        every = self.monitor.direction_every
+        if self.monitor.kind == "direction" and every > 1 and self.run.checkpoint_every % every:
+            raise UserError(f"config: monitor.direction_every={every} needs run.checkpoint_every (now "
+                            f"{self.run.checkpoint_every}) to be a multiple of it: a run resumed from a "
+                            "checkpoint re-scores the held-out pairs at its first step, as the unbroken run "
+                            "did")
         if self.dpo.before and self.model.init_knobs:
             raise UserError("config: dpo.before starts the knobs from the DPO pass; model.init_knobs="
                             f"{self.model.init_knobs!r} would be a second start: set one of them")

@@ -50,12 +50,18 @@ class MonitorCfg:
     """probe: share of the labelled prompts held out to choose the threshold and measure AUC and accuracy"""
     probe_l2: float = 0.01
     """probe: L2 penalty of the logistic fit on standardised features (finite weights on separable rows)"""
+    direction_every: int = 1
+    """direction: re-score V_hack's held-out pairs (threshold and scale) at every N-th step, reusing the last
+    ones between (1 = every step, the bench's setting); that pass is most of the monitor's cost (maths
+    organism, 494 pairs: 2.97 of a 3.65 s step). run.checkpoint_every must be a multiple, so a resumed run
+    re-scores where the unbroken one did"""
 
     def __post_init__(self) -> None:
         _check(self)
         _positive(self, "penalty", "coef", allow_zero=True)
         _positive(self, "probe_l2")
         _positive(self, "probe_problems", allow_zero=True)
+        _positive(self, "direction_every")
         if not 0.0 <= self.accuracy <= 1.0 or not 0.0 < self.probe_heldout < 1.0:
             raise UserError(f"config: MonitorCfg.accuracy={self.accuracy!r} must be in [0, 1] and "
                             f"probe_heldout={self.probe_heldout!r} in (0, 1)")

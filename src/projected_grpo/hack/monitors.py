@@ -160,19 +160,20 @@ class Probe(Monitor):
 class Direction(Monitor):
     """raw = sum over modules and V_hack rows of V_m · g_m, g the rollout's per-sequence NLL gradient on the
     main knobs at their current values (the quantity V_hack's pairs are differences of: a hack-like
-    completion's raw is high). Each step the held-out pairs' hack and clean completions are scored in the
-    same pass; threshold = their best balanced-accuracy cut, scale = the std of their raw scores;
-    score = sigmoid((raw - threshold) / scale), flag = raw > threshold."""
+    completion's raw is high). At every `every`-th step the held-out pairs' hack and clean completions are
+    scored in the same pass (threshold = their best balanced-accuracy cut, scale = the std of their raw
+    scores), reused until the next; score = sigmoid((raw - threshold) / scale), flag = raw > threshold."""
 
     name, reads, labels = "direction", frozenset(), "pairs"
 
     def __init__(self, model, knobs, V_hack: dict[str, Tensor],
                  heldout: list[tuple[Tensor, Tensor, bool]], pad_id: int, norm: str, nll_const: float,
-                 report: dict):
+                 report: dict, every: int = 1):
         self.model, self.knobs, self.pad_id, self.norm, self.nll_const = model, knobs, pad_id, norm, nll_const
         self.V = {n: v.detach().float().cpu() for n, v in V_hack.items()}
-        self.heldout, self.report = heldout, report
+        self.heldout, self.report, self.every = heldout, report, every
         self.labels_h = torch.tensor([y for _, _, y in heldout], dtype=torch.bool)
+        self.calibration: tuple[float, float] | None = None  # (threshold, scale) in use
 
     def raw(self, prompt_ids: Sequence[Tensor], completion_ids: Sequence[Tensor]) -> Tensor:
         """(N,) float64 of N (prompt (T_p,), completion (T_c,)) rows: sum over modules (the knobs' order)
@@ -182,14 +183,19 @@ class Direction(Monitor):
         return along(g, self.V)
 
     def score(self, r: Rollouts) -> Scored:
-        h_p, h_c = [p for p, _, _ in self.heldout], [c for _, c, _ in self.heldout]
-        raw = self.raw([*r.prompt_ids, *h_p], [*r.completion_ids, *h_c])
-        x, h = raw[:len(r)], raw[len(r):]
-        threshold, bacc = probe.best_threshold(h, self.labels_h)
-        scale = max(float(h.std()), 1e-12)
-        flags = x > threshold
-        return (torch.sigmoid((x - threshold) / scale).float(), flags,
-                {"monitor/threshold": threshold, "monitor/heldout_bacc": bacc})
+        stats: dict[str, float] = {}
+        if r.step % self.every == 0 or self.calibration is None:
+            h_p, h_c = [p for p, _, _ in self.heldout], [c for _, c, _ in self.heldout]
+            raw = self.raw([*r.prompt_ids, *h_p], [*r.completion_ids, *h_c])
+            x, h = raw[:len(r)], raw[len(r):]
+            threshold, bacc = probe.best_threshold(h, self.labels_h)
+            self.calibration = (threshold, max(float(h.std()), 1e-12))
+            stats["monitor/heldout_bacc"] = bacc
+        else:  # between re-scorings: the rollouts alone, against the last threshold and scale
+            x = self.raw(r.prompt_ids, r.completion_ids)
+        threshold, scale = self.calibration
+        return (torch.sigmoid((x - threshold) / scale).float(), x > threshold,
+                {"monitor/threshold": threshold, **stats})
 
 
 # --- building a monitor for a run ------------------------------------------------------------------------
@@ -318,7 +324,7 @@ def _direction(inp: MonitorInputs) -> Monitor:
     report = {"heldout_pairs": len(held), "rows": sum(len(v) for v in inp.V_hack.values()),
               "nll_norm": cfg.proj.nll_norm}
     return Direction(inp.model, inp.knobs, inp.V_hack, heldout, _pad_id(inp.tokenizer), cfg.proj.nll_norm,
-                     float(cfg.rollout.dr_grpo_denom), report)
+                     float(cfg.rollout.dr_grpo_denom), report, cfg.monitor.direction_every)
 
 
 # monitor.kind -> its build; "none" has no monitor
