@@ -15,17 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from projected_grpo.run import metrics
 from projected_grpo.study.bench import split_arm
 from projected_grpo.study.verdicts import HACK, Stat, mean_sem
 
-EARLY, LATE = 30, 50  # steps: the windows findings 9.8 first read the maths bench's recall over
+EARLY, LATE = 30, 50  # steps: the windows docs/findings.md 9.8 first read the maths bench's recall over
 RECALL, FLAGGED = "monitor/recall", "monitor/flagged_frac"
 NOT_A_FORM = ("detect/grade_error/deploy",)  # a grading failure, not a shape of the hack
-
-
-def _mean(rows: Sequence[Mapping], key: str) -> float | None:
-    vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-    return sum(vals) / len(vals) if vals else None
 
 
 def detector_keys(rows: Sequence[Mapping]) -> list[str]:
@@ -37,9 +33,9 @@ def detector_keys(rows: Sequence[Mapping]) -> list[str]:
 def run_windows(rows: Sequence[Mapping], keys: Sequence[str]) -> dict[str, tuple[float | None, float | None]]:
     """key -> (mean over the first EARLY steps' rows that logged it, mean over the last LATE steps'), None
     where no row of the window logged it (recall is absent at a step with no hack)."""
-    rows = sorted(rows, key=lambda r: r["step"])
-    early, late = rows[:EARLY], rows[-LATE:]
-    return {k: (_mean(early, k), _mean(late, k)) for k in keys}
+    early = metrics.summarize(sorted(rows, key=lambda r: r["step"])[:EARLY], last=EARLY, keys=keys)
+    late = metrics.summarize(rows, last=LATE, keys=keys)
+    return {k: (early.get(k), late.get(k)) for k in keys}
 
 
 def _stat(vals: Sequence[float | None]) -> Stat | None:
