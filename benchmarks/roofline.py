@@ -142,7 +142,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=0, help="new tokens per sample (0: the preset's)")
-    ap.add_argument("--sample-dtype", default="", help="override rollout.sample_dtype (model, bfloat16)")
+    ap.add_argument("--sample-dtype", default="",
+                    help="override rollout.sample_dtype (model, float32, bfloat16)")
     opt = ap.parse_args()
     argv = ["--preset", opt.preset, "--model", opt.model]
     argv += ["--rollout.sample-dtype", opt.sample_dtype] if opt.sample_dtype else []

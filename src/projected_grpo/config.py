@@ -131,12 +131,14 @@ class RolloutCfg:
     """run each group's prompt once, its keys/values shared by the group's rows: in the scoring forwards
     (sampling/prefix.py; same log-probs and gradients up to fp32 rounding) and the students' prefill (the
     sampled stream may differ in the last bits); False: every row recomputes its prompt, as before"""
-    sample_dtype: Literal["model", "bfloat16"] = "model"
+    sample_dtype: Literal["model", "float32", "bfloat16"] = "model"
     """weights the students (and evals) are sampled with: `model` the policy as it is (fp32: the HF forward's
     logits bit for bit); `bfloat16` a bf16 copy of the merged weights prepacked for the CPU's bf16 units
     (sampling/packed.py; Llama/Qwen2 only): about half the memory traffic per token, but the behaviour
     log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is not exactly 1 (sample/* logs
-    it); training, knobs and merged weights stay in the model's dtype"""
+    it); `float32` the same packed forward in fp32 (~2x faster than `model` on a CPU, measured in
+    docs/benchmarks.md; log-probs within fp32 rounding, ~1e-6, of the model's); training, knobs and merged
+    weights stay in the model's dtype"""
 
     def __post_init__(self) -> None:
         _check(self)

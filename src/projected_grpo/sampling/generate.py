@@ -87,7 +87,8 @@ def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens
     sample_dtype: None samples the model as it is (everything above); torch.bfloat16 samples a bf16 copy of
     its weights (knobs merged as they are now) through packed.PackedLM, prefill included: about half the
     memory traffic per token, the logits of the model cast to bf16 (not the model's own: the log-probs
-    returned are that bf16 model's); kv_cache and lean then do not apply.
+    returned are that bf16 model's); torch.float32 the same with fp32 copies laid out for oneDNN (the
+    model's logits up to fp32 rounding, not bit for bit); kv_cache and lean then do not apply.
     prompt_ids: B prompts, each (T_p,) torch.long CPU (or a sequence of ints, made a tensor here).
     Returns a Rollout with N = B * n_samples rows.
     """

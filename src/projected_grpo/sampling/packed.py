@@ -1,17 +1,20 @@
-"""Sampling from bfloat16 weights laid out once for the matrix units: a Llama-family forward (prefill and
-one-token decode) over bf16 copies of the policy's weights, knobs merged (rollout.sample_dtype="bfloat16").
+"""Sampling from weights laid out once for the matrix units: a Llama-family forward (prefill and one-token
+decode) over bf16 (or fp32) copies of the policy's weights, knobs merged (rollout.sample_dtype="bfloat16" or
+"float32").
 
 A decode step of a small model reads every weight once per token for a handful of rows, so its speed is the
 memory traffic of the weights (docs/benchmarks.md, roofline): bf16 halves it, and on a CPU with bf16 units
-oneDNN's bf16 kernels are also faster per row than fp32 ones. `PackedLM(model, rows)` copies the weights once
-per `generate` call: each projection in bf16, prepacked for oneDNN on CPU (`torch.ops.mkldnn`, the layout
-torch.compile's CPU freezing uses; a plain bf16 tensor elsewhere, e.g. CUDA), the q/k/v and gate/up
+oneDNN's bf16 kernels are also faster per row than fp32 ones. `PackedLM(model, rows, dtype)` copies the
+weights once per `generate` call: each projection in `dtype`, prepacked for oneDNN on CPU (`torch.ops.mkldnn`,
+the layout torch.compile's CPU freezing uses; a plain tensor elsewhere, e.g. CUDA), the q/k/v and gate/up
 projections of a layer concatenated into one matmul each. The ops are those of the Hugging Face forward of
-the same model cast to bf16 (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding by the model's own
-module, sdpa), so the logits are that bf16 model's up to bf16 rounding (tests/test_packed.py), and the same
-inputs give the same outputs on a fixed machine. What changes against the fp32 policy: the behaviour
-log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is no longer exactly 1; the training
-loop logs its size (sample/* in docs/metrics.md). The KV cache (per layer (N, Hkv, C, D), bf16) lives here.
+the same model cast to `dtype` (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding by the model's
+own module, sdpa), so the logits are that model's up to rounding (tests/test_packed.py), and the same inputs
+give the same outputs on a fixed machine. What changes against the policy's own forward: in bf16 the
+behaviour log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is no longer exactly 1
+(the training loop logs its size: sample/* in docs/metrics.md); in fp32 only the summation order changes
+(~1e-6 in a log-prob), while oneDNN's prepacked fp32 kernel reads the weights ~2-3x faster at a handful of
+rows than F.linear's (docs/benchmarks.md). The KV cache (per layer (N, C, Hkv, D), in `dtype`) lives here.
 Not here: the decode loop and samplers (generate.py), the exact fp32 step (decode_step.py).
 """
 
@@ -35,7 +38,7 @@ def why_not_packed(model) -> str | None:
 
 def packs_on_cpu(dtype: torch.dtype = DTYPE) -> bool:
     """Whether this torch has oneDNN's prepacked linear (torch.ops.mkldnn, used by torch.compile's CPU
-    freezing) for `dtype`; without it the bf16 weights stay plain tensors (F.linear)."""
+    freezing) for `dtype`; without it the weights stay plain tensors (F.linear)."""
     ops = torch.ops.mkldnn
     return (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
             and hasattr(ops, "_linear_pointwise")
@@ -88,7 +91,7 @@ def _fused(linears, dtype: torch.dtype, rows: int) -> _Linear:
 
 
 def _scale(norm, dtype: torch.dtype) -> Tensor:
-    """An RMSNorm's scale in dtype (the bf16 model's)."""
+    """An RMSNorm's scale in dtype (the model cast to dtype)."""
     return norm.weight.detach().to(dtype)
 
 
@@ -127,7 +130,7 @@ class PackedLM:
         (q (N, H, 1, D), k, v (N, Hkv, n, D), mask) -> (N, 1, H * D) (T = 1 only), else sdpa over the mask."""
         N, T = ids.shape
         H, Hkv, D, E, eps, end = self.H, self.Hkv, self.D, self.E, self.eps, start + T
-        x = F.embedding(ids, self.embed).to(self.dtype)  # (N, T, E): the bf16 model's embedding rows
+        x = F.embedding(ids, self.embed).to(self.dtype)  # (N, T, E): the embedding rows in dtype
         cos, sin = self.rotary(x, pos)  # (N, T, D): the model's own rotary module (any rope type)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (N, T, 1, D): the heads of q and k at once
         for i, (w1, qkv, o, w2, gate, up, down, act) in enumerate(self.layers):

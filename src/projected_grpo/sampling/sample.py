@@ -19,7 +19,7 @@ from projected_grpo.sampling.generate import generate
 from projected_grpo.sampling.pack import Ids
 
 # rollout.sample_dtype -> generate's sample_dtype (None: the model's own weights)
-SAMPLE_DTYPES = {"model": None, "bfloat16": torch.bfloat16}
+SAMPLE_DTYPES = {"model": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass(frozen=True, eq=False)
@@ -58,7 +58,7 @@ def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapp
     seed: one for the batch, or one per problem (generate).
     The caller chooses the model's view (knobs.merged() / ablate_quarantine()) and no_grad. `clock`, when
     given, accumulates seconds under "generate" and "grade". share_prefill: generate's. sample_dtype:
-    rollout.sample_dtype ("model", or "bfloat16": generate's sample_dtype=torch.bfloat16).
+    rollout.sample_dtype ("model", or "float32" / "bfloat16": generate's sample_dtype in that dtype).
     """
     t0 = time.perf_counter()
     ro = generate(model, [prompt_ids[p.id] for p in problems], n_samples, max_new_tokens=max_new_tokens,
