@@ -84,11 +84,13 @@ FULL = Config(
 
 # SmolLM2-135M-Instruct (`projected-grpo get-model smollm2`; its ChatML template formats every prompt) on
 # the code loophole environment. CPU: a smoke of the mechanics on a real model, one problem per loophole
-# mode, one group of 3 students + 1 teacher row per step. Step time and memory: docs/benchmarks.md.
+# mode, one group of 3 students + 1 teacher row per step. Students sampled through the packed fp32 forward
+# (rollout.sample_dtype float32: 1.4x the step of sampling the model itself, sample/kl 5.5e-11 against
+# 3.8e-11, i.e. fp32 rounding). Step time and memory: docs/benchmarks.md.
 SMOLLM2_CPU = Config(
     model=ModelCfg(source="hf", path="smollm2"),
     env=EnvCfg(max_problems=6),
-    rollout=RolloutCfg(prompts_per_step=1, group_size=4, mix=0.25, max_new_tokens=96),
+    rollout=RolloutCfg(prompts_per_step=1, group_size=4, mix=0.25, max_new_tokens=96, sample_dtype="float32"),
     pool=PoolCfg(n_hack=1, n_clean=1),
     proj=ProjCfg(pairs_per_problem=1),
     run=RunCfg(steps=3, checkpoint_every=3),
