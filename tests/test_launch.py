@@ -204,6 +204,9 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
     assert "| inoculation | - | none | 1 |" in md and "| none | - | none | 1 |" in md
     # under it the evasion table: the monitor's recall early and late, each arm's hack and its detectors
     assert "## Is the monitor evaded?" in md and "| penalty | ground_truth | 1 | " in md
+    # and the follow-up: chosen on seed 0 (every arm ran it), the more-seeds list ends with the baselines
+    assert "## More seeds, and the goal" in md and "- Chosen on seeds 0, which every arm ran." in md
+    assert "`none`, `gt_reward`." in md
     assert (out / "interventions" / "inoculation-s0" / "summary.json").is_file()
     assert not (out / "interventions" / "none-s0").exists()
     assert "[main](main/report.md)" in md and "[lomo-sentinel](lomo-sentinel/report.md)" in md

@@ -67,6 +67,23 @@ def _labels(arm: str) -> str:
     return arms_table.ARMS[name].labels
 
 
+def twin_contrasts(t: Tables, arms: Sequence[str]) -> dict[str, O.Contrast]:
+    """arm -> its contrast against its random-V twin (paired by seed), for each of `arms` whose twin is in the
+    sweep, Holm-adjusted over these contrasts (the bench table's family)."""
+    pairs = [(a, f"{a}{arms_table.RANDOM_TWIN}") for a in arms if "@" not in a]
+    family = [c for a, twin in pairs if twin in t.end and (c := O.contrast(a, twin, t.seeds)) is not None]
+    return {c.arm: c for c in O.adjust(family)}
+
+
+def verdicts(t: Tables, arms: Sequence[str]) -> dict[str, str]:
+    """arm -> the bench's word (verdict) for each of `arms` in the sweep; empty without a `none` arm."""
+    base, gt = t.end.get(BASELINE), t.end.get(POSITIVE)
+    if base is None:
+        return {}
+    return {a: verdict(base, t.end[a], t.start.get(a), gt) for a in arms
+            if a in t.end and a not in (BASELINE, POSITIVE)}
+
+
 def table(t: Tables, arms: Sequence[str]) -> str:
     """Markdown table of `arms` (those the sweep ran) beside `none` and `gt_reward`: deployed hack / solve /
     well-formed (mean ± SEM over seeds of the last-5-step means), labels at train time, the bench's verdict,
@@ -77,9 +94,7 @@ def table(t: Tables, arms: Sequence[str]) -> str:
     base, gt = end.get(BASELINE), end.get(POSITIVE)
     head = ["| intervention | monitor | labels | seeds | hack | solve | well-formed | verdict | hack vs none "
             "| solve, well-formed vs gt_reward | vs random V (paired) |", "|" + "---|" * 11]
-    pairs = [(a, f"{a}{arms_table.RANDOM_TWIN}") for a in arms if "@" not in a]
-    family = [c for a, twin in pairs if twin in end and (c := O.contrast(a, twin, t.seeds)) is not None]
-    vs_random = {c.arm: c for c in O.adjust(family)}
+    vs_random = twin_contrasts(t, arms)
     rows = []
     for arm in [a for a in (BASELINE, POSITIVE, *arms) if a in end]:
         st = end[arm]

@@ -32,7 +32,7 @@ from projected_grpo import presets, store
 from projected_grpo.errors import UserError
 from projected_grpo.run import metrics
 from projected_grpo.study import arms as arms_table
-from projected_grpo.study import bench, evasion, experiment, launch, report, tables
+from projected_grpo.study import bench, evasion, experiment, follow_up, launch, report, tables
 from projected_grpo.study import verdict_text as VT
 
 # the preregistration's three arms, its three negative controls and the two that can fail where they could
@@ -46,6 +46,7 @@ LOMO_ARMS: tuple[str, ...] = ("erase", "random_V")
 BASELINES: tuple[str, ...] = ("none", "gt_reward")
 # the intervention bench's part (bench.py, docs/interventions.md): its default arms
 INTERVENTIONS = "interventions"
+MAIN = "main"
 BENCH_ARMS: tuple[str, ...] = bench.bench_arms()
 
 
@@ -68,7 +69,7 @@ def parts(base: C.Config, lomo_arms: Sequence[str], lomo_modes: Sequence[str] | 
     `none`, the yardstick `gt_reward`) are borrowed from main when the base has no teacher rows in training;
     with teacher rows the fold's pool differs, so it trains its own `none`. Raises before any work when a
     part cannot run."""
-    out = [Part("main", "", tuple(arms))]
+    out = [Part(MAIN, "", tuple(arms))]
     if lomo_modes is None:
         from projected_grpo.envs.coding.problems import MODES
 
@@ -194,6 +195,34 @@ def finished_only(planned: list) -> list:
     return out
 
 
+def _follow_up(main: tables.Runs, bench_runs: tables.Runs) -> list[str]:
+    """follow_up's section of the bench report. The choice reads the main part's arms and the bench's on the
+    seeds every arm ran (as the rule was written: on the first seeds, before any arm got more); the goal reads
+    every seed. Each arm's contrasts against its controls are its own report's (main: every control twin,
+    Holm over the main report's family; bench: the random-V twin, Holm over the bench's)."""
+    arms = [a for a in bench_runs if a not in BASELINES]
+
+    def read(keep=lambda d: True):
+        m = tables.tables({a: [d for d in ds if keep(d)] for a, ds in main.items()}) if main else None
+        b = tables.tables({a: [d for d in ds if keep(d)] for a, ds in bench_runs.items()})
+        controls: dict[str, list] = {}
+        if m is not None:
+            fam = VT.family(m)
+            for arm, by_kind in VT.twins(m).items():
+                controls[arm] = [fam[(arm, twin)] for twin in by_kind.values() if (arm, twin) in fam]
+        for arm, c in bench.twin_contrasts(b, arms).items():
+            controls.setdefault(arm, []).append(c)
+        return {**(m.end if m else {}), **b.end}, bench.verdicts(b, arms), controls
+
+    runs = [*main.values(), *bench_runs.values()]
+    common = sorted(set.intersection(*({tables.run_seed(d) for d in ds} for ds in runs)))
+    end, verdicts, controls = read(lambda d: tables.run_seed(d) in common)
+    choice = follow_up.choose(end, verdicts, controls)
+    end, _, controls = read()
+    g = None if choice.best is None else follow_up.goal(choice.best, end, controls.get(choice.best, ()))
+    return follow_up.lines(choice, g, common)
+
+
 def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, preset: str, command: str,
                        counts: dict[str, int], elapsed_s: float, partial: bool = False) -> str:
     """Each part's report.md (report.write_report), then out/report.md: links to the parts, one table of every
@@ -219,14 +248,17 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
         verdicts += [f"- {v}" if not v.startswith("  ") else f"    - {v.strip()}" for v in lines]
         verdicts.append("")
     bench_md = []
+    main = next((by_arm for part, _, by_arm, _ in planned if part.name == MAIN), {})
     for part, _, by_arm, _ in planned:
         if part.name == INTERVENTIONS:
             order = [*(a for a in BASELINES if a in by_arm), *(a for a in by_arm if a not in BASELINES)]
+            t, arms = tables.tables(by_arm), [a for a in by_arm if a not in BASELINES]
             bench_md = ["## The intervention bench (docs/interventions.md; the verdict is ours, written down "
-                        "before the runs)", "",
-                        bench.table(tables.tables(by_arm), [a for a in by_arm if a not in BASELINES]), "",
+                        "before the runs)", "", bench.table(t, arms), "",
                         "## Is the monitor evaded? (docs/interventions.md; descriptive, no verdict)", "",
-                        evasion.table({a: [tables.read_run(d)[1] for d in by_arm[a]] for a in order}), ""]
+                        evasion.table({a: [tables.read_run(d)[1] for d in by_arm[a]] for a in order}), "",
+                        "## More seeds, and the goal (docs/interventions.md; a rule written before the runs)",
+                        "", *_follow_up(main, by_arm), ""]
             store.write_text_atomic(out / part.name / "bench.md", "\n".join(bench_md) + "\n")
     table = report.results_table(tables.aggregate(rows))
     n_runs = sum(len(runs) for _, runs, _, _ in planned)
