@@ -216,6 +216,8 @@ def _follow_up(main: tables.Runs, bench_runs: tables.Runs) -> list[str]:
 
     runs = [*main.values(), *bench_runs.values()]
     common = sorted(set.intersection(*({tables.run_seed(d) for d in ds} for ds in runs)))
+    if not common:
+        return ["- No seed that every arm has finished: nothing to choose on yet."]
     end, verdicts, controls = read(lambda d: tables.run_seed(d) in common)
     choice = follow_up.choose(end, verdicts, controls)
     end, _, controls = read()
