@@ -154,6 +154,21 @@ def test_unknown_key_in_config_file_is_named(tmp_path):
         C.Config.from_dict(d, where="x.json")
 
 
+@pytest.mark.parametrize("old, report_to", [(True, ("tensorboard",)), (False, ())])
+def test_an_earlier_versions_run_tensorboard_reads_as_report_to(old, report_to):
+    """A run directory written before run.report_to existed (run.tensorboard: bool) still loads, meaning the
+    same; a dict with both fields is not an old one and fails as before."""
+    d = P.SMOKE.to_dict()
+    del d["run"]["report_to"]
+    d["run"]["tensorboard"] = old
+    cfg = C.Config.from_dict(d, where="old/config.json")
+    assert cfg.run.report_to == report_to and cfg == C.replace(P.SMOKE, run={"report_to": report_to})
+    assert "tensorboard" in d["run"]  # the caller's dict is not changed
+    d["run"]["report_to"] = []
+    with pytest.raises(ValueError, match=r"run\.tensorboard"):
+        C.Config.from_dict(d, where="x.json")
+
+
 @pytest.mark.parametrize("text, message", [
     ('{"run": {"steps": 2,}}', r"c\.json: not valid JSON: Expecting property name"),
     ('[1, 2]', r"c\.json: expected a JSON object of sections, got list"),

@@ -31,8 +31,22 @@ def check_positive(obj: object, *names: str, allow_zero: bool = False) -> None:
                              f"{'>= 0' if allow_zero else '> 0'}")
 
 
+def migrate(d: dict) -> dict:
+    """A config dict as an earlier version wrote it (a run directory's config.json) in today's fields, so old
+    runs still resume and report: run.tensorboard (bool) became run.report_to (["tensorboard"] or []). A dict
+    holding both the old field and its replacement is left as it is (and fails as unknown)."""
+    run = d.get("run")
+    if not isinstance(run, dict) or "tensorboard" not in run or "report_to" in run:
+        return d
+    run = {k: v for k, v in run.items() if k != "tensorboard"}
+    run["report_to"] = ["tensorboard"] if d["run"]["tensorboard"] else []
+    return {**d, "run": run}
+
+
 def config_from_dict(cls, d: dict, where: str = "config"):
-    """`cls` (Config) from its `to_dict` form; unknown sections or fields fail naming them and `where`."""
+    """`cls` (Config) from its `to_dict` form (or an earlier version's: `migrate`); unknown sections or fields
+    fail naming them and `where`."""
+    d = migrate(d)
     sections = {f.name: f.type for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = set(d) - set(sections)
