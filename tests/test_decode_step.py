@@ -202,6 +202,21 @@ def test_unsupported_models_fall_back_to_hf():
                          _generate(model, PROMPTS["padded"], lean=False, kv_cache=kv_cache))
 
 
+def test_transformers_output_recorders_do_not_stop_the_lean_step():
+    """A forward with output_hidden_states (the probe monitor's features) leaves transformers' recording
+    hooks on the layers for good; they record nothing unless asked, so the lean step still stands in, bit for
+    bit, while a hook of anyone else's is still refused (test_unsupported_models_fall_back_to_hf)."""
+    model = model_for("llama_gqa", torch.float32)
+    with torch.inference_mode():
+        model(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+        assert any(m._forward_hooks for m in model.modules())  # the recorders are there
+        past, mask, *_ = _prefilled(model, PROMPTS["padded"])
+        assert why_not_lean(model, past) is None
+        assert decode_step(model, past, mask, {}).__qualname__.startswith("lean_step")
+    _assert_same(_generate(model, PROMPTS["padded"], lean=True),
+                 _generate(model, PROMPTS["padded"], lean=False))
+
+
 def test_lean_false_forces_hf_and_lean_true_takes_lean():
     model = model_for("llama_gqa", torch.float32)
     with torch.inference_mode():

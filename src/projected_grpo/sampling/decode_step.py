@@ -53,13 +53,24 @@ def _allow_list() -> tuple[dict[type, tuple[type, ...]], dict[str, tuple]]:
     return archs, {"sdpa": (sdpa_attention_forward, sdpa_mask), "eager": (None, eager_mask)}
 
 
+def _records_only(hook) -> bool:
+    """transformers' output-capturing hook (transformers/utils/output_capturing.py): the first call with
+    output_hidden_states (e.g. the probe monitor's features) installs it for good on the decoder layers and
+    attention modules; it appends outputs while such a call runs and otherwise returns at once, changing
+    nothing, so a replica of the forward that never asks for hidden states is unaffected."""
+    return (getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+            and getattr(hook, "__name__", None) == "output_capturing_hook")
+
+
 def _has_hooks(module: nn.Module) -> bool:
-    """A hook, an accelerate wrapper, a per-instance forward (e.g. kernels' kernelize) or Module.compile()
-    could change what calling it does. Our gradient checkpointing's switch does not: without grad it runs
-    the class's forward (knobs/checkpointing.py)."""
+    """A hook (other than transformers' output recorder), an accelerate wrapper, a per-instance forward (e.g.
+    kernels' kernelize) or Module.compile() could change what calling it does. Our gradient checkpointing's
+    switch does not: without grad it runs the class's forward (knobs/checkpointing.py)."""
     own = "forward" in module.__dict__ and not checkpointing.switched(module)
-    return bool(module._forward_hooks or module._forward_pre_hooks or own
-                or hasattr(module, "_hf_hook") or getattr(module, "_compiled_call_impl", None) is not None)
+    hooks = [h for h in (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+             if not _records_only(h)]
+    return bool(hooks or own or hasattr(module, "_hf_hook")
+                or getattr(module, "_compiled_call_impl", None) is not None)
 
 
 def why_not_lean(model, past) -> str | None:
@@ -111,8 +122,11 @@ def why_not_replicated(model) -> str | None:
     wrong = [f"{type(m).__name__} (expected {c.__name__})" for m, c in parts if type(m) is not c]
     if wrong:
         return f"unexpected module classes: {wrong[:3]}"
-    if any(_has_hooks(m) for m in model.modules()):
-        return "a module has forward hooks, an accelerate hook, a per-instance forward or is compiled"
+    hooked = [name or type(model).__name__ for name, m in model.named_modules() if _has_hooks(m)]
+    if hooked:
+        more = f" (and {len(hooked) - 1} more)" if len(hooked) > 1 else ""
+        return (f"module {hooked[0]!r}{more} has forward hooks, an accelerate hook, a per-instance forward "
+                "or is compiled")
     if getattr(model, "use_kernels", False):
         return "kernels-hub layers are in use (use_kernels)"
     if (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks):
