@@ -9,7 +9,7 @@ verdicts and each candidate's contrasts against its controls, as the reports com
               KEPT_TOL of gt_reward, else the highest solve of those cutting the hack by CUT or more against
               `none`; each with its controls (twins), beside `none` and `gt_reward`. Controls and twins are
               what a candidate is compared with, never candidates.
-  goal        the best label-free arm's hack within GOAL_HACK of gt_reward's, its solve within KEPT_TOL of
+  the goal    the best label-free arm's hack within GOAL_HACK of gt_reward's, its solve within KEPT_TOL of
               gt_reward's, and a paired win over every control it has in the sweep (ours.Contrast.beats).
   choose      (end, verdicts, controls) on the seeds every arm ran -> Choice
   goal        the chosen arm's distance on all its seeds -> Goal
