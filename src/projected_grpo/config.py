@@ -137,9 +137,9 @@ class RolloutCfg:
     (sampling/packed.py; Llama/Qwen2 only): about half the memory traffic per token, but the behaviour
     log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is not exactly 1 (sample/* logs
     it); `float32` the same packed forward in fp32 (~2x faster than `model` on a CPU, measured in
-    docs/benchmarks.md; log-probs within fp32 rounding, ~1e-6, of the model's). Both packed dtypes hold a
-    copy of the weights while sampling (bf16: half the model's size; fp32: its size); training, knobs and
-    merged weights stay in the model's dtype"""
+    docs/benchmarks.md; for an fp32 model its log-probs within fp32 rounding, ~1e-6, of the model's). Both
+    packed dtypes hold a copy of the weights while sampling (bf16: half the model's size; fp32: its size);
+    training, knobs and merged weights stay in the model's dtype"""
 
     def __post_init__(self) -> None:
         _check(self)
