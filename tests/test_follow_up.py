@@ -42,7 +42,7 @@ def test_no_label_free_arm_near_gt_reward_takes_the_highest_solve_among_the_cuts
     verdicts = {"penalty:ground_truth": KEPT, "penalty:direction": BROKEN, "inoculation": BROKEN,
                 "penalty:direction@random": BROKEN}
     twin = contrast("penalty:direction", "penalty:direction@random", [0.6, 0.6, 0.6], [0.5, 0.6, 0.55], 1.0)
-    c = F.choose(end, verdicts, {"penalty:direction": [twin]})
+    c = F.choose(end, verdicts, {"penalty:direction": "penalty:direction@random", "erase": "random_V"})
     assert c.kept == ("penalty:ground_truth",)
     assert c.best == "penalty:direction" and "highest solve" in c.why
     assert c.more_seeds == ("penalty:ground_truth", "penalty:direction", "penalty:direction@random", "none",
@@ -64,7 +64,7 @@ def test_label_free_arms_near_gt_reward_take_the_lowest_hack_and_the_goal_can_be
            "route": rates(0.03, 0.52),  # within 10 pts too (0.52 >= 0.50), hack 0.03: the lowest
            "erase_bounded": rates(0.01, 0.45)}  # the lowest hack, but solve 15 pts under gt_reward
     twin = contrast("route", "route@random", [0.03, 0.02, 0.04], [0.8, 0.7, 0.9], 0.01)
-    c = F.choose(end, {"erase_bounded": NO_EFFECT}, {"route": [twin]})
+    c = F.choose(end, {"erase_bounded": NO_EFFECT}, {"route": "route@random"})
     assert c.kept == () and c.best == "route" and "lowest hack" in c.why
     assert c.more_seeds == ("route", "none", "gt_reward")  # route@random is in no end table: nothing to add
     g = F.goal("route", end, [twin])
@@ -72,6 +72,14 @@ def test_label_free_arms_near_gt_reward_take_the_lowest_hack_and_the_goal_can_be
     assert twin.beats and g.met
     assert "**Met.**" in "\n".join(F.lines(c, g, [0, 1, 2]))
     assert not F.goal("route", end, []).met  # no control in the sweep: not shown to beat one
+
+
+def test_a_main_arm_brings_its_random_twin_only():
+    """erase is compared with five control twins (the goal reads them all), but only its random-V twin,
+    random_V, gets more seeds with it (docs/interventions.md)."""
+    end = {**BASE, "erase": rates(0.40, 0.30), "random_V": rates(0.45, 0.20), "shuffled_V": rates(0.5, 0.1)}
+    c = F.choose(end, {}, {"erase": "random_V"})
+    assert c.best == "erase" and c.more_seeds == ("erase", "random_V", "none", "gt_reward")
 
 
 def test_nothing_cuts_the_hack():

@@ -2,16 +2,16 @@
 
 The rule is docs/interventions.md's ("More seeds, and the goal"; first written in docs/findings.md 9.0,
 before any bench run). A pure function of the study's end rates (main part and bench together), the bench's
-verdicts and each candidate's contrasts against its controls, as the reports computed them:
+verdicts, each arm's random-V twin and its contrasts against its controls, as the reports computed them:
   more seeds  every bench arm whose verdict is "stops hacking, model kept", and the best label-free arm:
               among the interventions (arms.ARMS role `arm`, no twin suffix) needing no per-sample labels at
               train time (labels `none` or `pairs`), the lowest deployed hack of those solving within
               KEPT_TOL of gt_reward, else the highest solve of those cutting the hack by CUT or more against
-              `none`; each with its controls (twins), beside `none` and `gt_reward`. Controls and twins are
-              what a candidate is compared with, never candidates.
+              `none`; each with its random-V twin where it has one, beside `none` and `gt_reward`. Controls
+              and twins are what a candidate is compared with, never candidates.
   the goal    the best label-free arm's hack within GOAL_HACK of gt_reward's, its solve within KEPT_TOL of
               gt_reward's, and a paired win over every control it has in the sweep (ours.Contrast.beats).
-  choose      (end, verdicts, controls) on the seeds every arm ran -> Choice
+  choose      (end, verdicts, random twins) on the seeds every arm ran -> Choice
   goal        the chosen arm's distance on all its seeds -> Goal
   lines       Choice, Goal -> markdown lines for the bench report
 Not here: the verdicts (bench.py), the contrasts (ours.py), reading runs (tables.py).
@@ -68,10 +68,10 @@ def candidate(arm: str) -> bool:
 
 
 def choose(end: Mapping[str, Mapping[str, Stat]], verdicts: Mapping[str, str],
-           controls: Mapping[str, Sequence[Contrast]]) -> Choice:
+           random_twin: Mapping[str, str]) -> Choice:
     """The rule over `end` (arm -> deployed end rates, main part and bench, on the seeds every arm ran),
-    `verdicts` (bench arm -> the bench's word on those seeds) and `controls` (arm -> its contrasts against
-    each control twin in the sweep: their `other` arms get more seeds with it)."""
+    `verdicts` (bench arm -> the bench's word on those seeds) and `random_twin` (arm -> its random-V twin in
+    the sweep, which gets more seeds with it)."""
     base, gt = end.get(BASELINE), end.get(POSITIVE)
     kept = tuple(a for a, word in verdicts.items() if word == KEPT and "@" not in a)
     pool = [a for a in end if candidate(a)]
@@ -87,7 +87,7 @@ def choose(end: Mapping[str, Mapping[str, Stat]], verdicts: Mapping[str, str],
     else:
         best, why = None, f"no label-free arm cuts the hack by {100 * CUT:.0f} points against none"
     chosen = [*kept, *([best] if best else [])]
-    twins = [c.other for a in chosen for c in controls.get(a, ())]
+    twins = [random_twin[a] for a in chosen if a in random_twin]
     more = tuple(dict.fromkeys(a for a in (*chosen, *twins, BASELINE, POSITIVE) if a in end))
     return Choice(kept, best, why, more)
 

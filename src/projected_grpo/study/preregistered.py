@@ -197,9 +197,10 @@ def finished_only(planned: list) -> list:
 
 def _follow_up(main: tables.Runs, bench_runs: tables.Runs) -> list[str]:
     """follow_up's section of the bench report. The choice reads the main part's arms and the bench's on the
-    seeds every arm ran (as the rule was written: on the first seeds, before any arm got more); the goal reads
-    every seed. Each arm's contrasts against its controls are its own report's (main: every control twin,
-    Holm over the main report's family; bench: the random-V twin, Holm over the bench's)."""
+    seeds every arm ran (as the rule was written: on the first seeds, before any arm got more) and adds each
+    chosen arm's random-V twin; the goal reads every seed. Each arm's contrasts against its controls are its
+    own report's (main: every control twin, Holm over the main report's family; bench: the random-V twin,
+    Holm over the bench's)."""
     arms = [a for a in bench_runs if a not in BASELINES]
 
     def read(keep=lambda d: True):
@@ -212,15 +213,18 @@ def _follow_up(main: tables.Runs, bench_runs: tables.Runs) -> list[str]:
                 controls[arm] = [fam[(arm, twin)] for twin in by_kind.values() if (arm, twin) in fam]
         for arm, c in bench.twin_contrasts(b, arms).items():
             controls.setdefault(arm, []).append(c)
-        return {**(m.end if m else {}), **b.end}, bench.verdicts(b, arms), controls
+        twin = {a: f"{a}{arms_table.RANDOM_TWIN}" for a in arms if f"{a}{arms_table.RANDOM_TWIN}" in b.end}
+        if m is not None:  # a main arm's random-V twin: its proj.control=random twin (erase's is random_V)
+            twin |= {a: kinds["random"] for a, kinds in VT.twins(m).items() if "random" in kinds}
+        return {**(m.end if m else {}), **b.end}, bench.verdicts(b, arms), controls, twin
 
     runs = [*main.values(), *bench_runs.values()]
     common = sorted(set.intersection(*({tables.run_seed(d) for d in ds} for ds in runs)))
     if not common:
         return ["- No seed that every arm has finished: nothing to choose on yet."]
-    end, verdicts, controls = read(lambda d: tables.run_seed(d) in common)
-    choice = follow_up.choose(end, verdicts, controls)
-    end, _, controls = read()
+    end, verdicts, _, twin = read(lambda d: tables.run_seed(d) in common)
+    choice = follow_up.choose(end, verdicts, twin)
+    end, _, controls, _ = read()
     g = None if choice.best is None else follow_up.goal(choice.best, end, controls.get(choice.best, ()))
     return follow_up.lines(choice, g, common)
 
