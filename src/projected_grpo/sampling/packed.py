@@ -8,10 +8,10 @@ oneDNN's bf16 kernels are also faster per row than fp32 ones. `PackedLM(model, r
 weights once per `generate` call: each projection in `dtype`, prepacked for oneDNN on CPU (`torch.ops.mkldnn`,
 the layout torch.compile's CPU freezing uses; a plain tensor elsewhere, e.g. CUDA), a layer's q/k/v
 projections concatenated into one matmul, the gate's SiLU, the up projection's product and the residual adds
-fused into their matmuls' epilogues. The ops are those of the Hugging Face forward of
-the same model cast to `dtype` (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding by the model's
-own module, sdpa), so the logits are that model's up to rounding (tests/test_packed.py), and the same inputs
-give the same outputs on a fixed machine. What changes against the policy's own forward: in bf16 the
+fused into their matmuls' epilogues. The ops are those of the Hugging Face forward of the same model cast
+to `dtype` (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding by the model's own module, sdpa), so
+the logits are that model's up to rounding (tests/test_packed.py), and the same inputs give the same outputs
+on a fixed machine. What changes against the policy's own forward: in bf16 the
 behaviour log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is no longer exactly 1
 (the training loop logs its size: sample/* in docs/metrics.md); in fp32 only the summation order changes
 (~1e-6 in a log-prob), while oneDNN's prepacked fp32 kernel reads the weights 2-5x faster at a handful of

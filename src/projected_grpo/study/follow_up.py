@@ -23,11 +23,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from projected_grpo.study import arms as arms_table
-from projected_grpo.study.bench import KEPT
+from projected_grpo.study.bench import BASELINE, KEPT, POSITIVE
 from projected_grpo.study.ours import KEPT_TOL, Contrast
 from projected_grpo.study.verdicts import EPS, FALSIFY_HACK_DROP, HACK, SOLVE, Stat, pts
 
-BASELINE, POSITIVE = "none", "gt_reward"
 LABEL_FREE = ("none", "pairs")
 CUT = FALSIFY_HACK_DROP  # a hack cut of 15 points: less is "no effect" (docs/interventions.md)
 GOAL_HACK = 0.05  # the goal: deployed hack within 5 points of gt_reward's

@@ -204,27 +204,30 @@ def _follow_up(main: tables.Runs, bench_runs: tables.Runs) -> list[str]:
     arms = [a for a in bench_runs if a not in BASELINES]
 
     def read(keep=lambda d: True):
+        """(end rates, bench verdicts, arm -> contrasts against its controls, arm -> its random-V twin)."""
         m = tables.tables({a: [d for d in ds if keep(d)] for a, ds in main.items()}) if main else None
         b = tables.tables({a: [d for d in ds if keep(d)] for a, ds in bench_runs.items()})
         controls: dict[str, list] = {}
-        if m is not None:
+        twin: dict[str, str] = {}
+        if m is not None:  # a main arm's random-V twin: its proj.control=random twin (erase's is random_V)
             fam = VT.family(m)
             for arm, by_kind in VT.twins(m).items():
-                controls[arm] = [fam[(arm, twin)] for twin in by_kind.values() if (arm, twin) in fam]
+                controls[arm] = [fam[(arm, t)] for t in by_kind.values() if (arm, t) in fam]
+                if "random" in by_kind:
+                    twin[arm] = by_kind["random"]
         for arm, c in bench.twin_contrasts(b, arms).items():
             controls.setdefault(arm, []).append(c)
-        twin = {a: f"{a}{arms_table.RANDOM_TWIN}" for a in arms if f"{a}{arms_table.RANDOM_TWIN}" in b.end}
-        if m is not None:  # a main arm's random-V twin: its proj.control=random twin (erase's is random_V)
-            twin |= {a: kinds["random"] for a, kinds in VT.twins(m).items() if "random" in kinds}
+            twin[arm] = c.other
         return {**(m.end if m else {}), **b.end}, bench.verdicts(b, arms), controls, twin
 
-    runs = [*main.values(), *bench_runs.values()]
-    common = sorted(set.intersection(*({tables.run_seed(d) for d in ds} for ds in runs)))
+    seeds = [{tables.run_seed(d) for d in ds} for ds in (*main.values(), *bench_runs.values())]
+    common = sorted(set.intersection(*seeds))
     if not common:
         return ["- No seed that every arm has finished: nothing to choose on yet."]
-    end, verdicts, _, twin = read(lambda d: tables.run_seed(d) in common)
+    end, verdicts, controls, twin = read(lambda d: tables.run_seed(d) in common)
     choice = follow_up.choose(end, verdicts, twin)
-    end, _, controls, _ = read()
+    if any(s != set(common) for s in seeds):  # some arms ran more seeds: the goal reads all of them
+        end, _, controls, _ = read()
     g = None if choice.best is None else follow_up.goal(choice.best, end, controls.get(choice.best, ()))
     return follow_up.lines(choice, g, common)
 
