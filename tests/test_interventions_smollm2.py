@@ -1,7 +1,8 @@
 """The bench's monitors and interventions on a real Hugging Face model (slow): SmolLM2-135M-Instruct on the
-maths loophole, through the same config sections as on the organisms (study/arms.py), one step each, for the
-monitors that read the model itself (the direction monitor's per-rollout knob gradients, the probe's hidden
-states) and for inoculation's second prompt.
+maths loophole, through the same config sections as on the organisms (study/arms.py), one step each: every
+intervention (penalty, screen, advantage, inoculation's second prompt, the bounded projection) and every kind
+of monitor (the oracle's flag degraded, the environment's detector, and the two that read the model itself:
+the probe's hidden states, the direction monitor's per-rollout knob gradients) at least once.
 
 Needs `projected-grpo get-model smollm2` (skips without it). Run: .venv/bin/pytest -q -m slow
 tests/test_interventions_smollm2.py
@@ -23,7 +24,8 @@ from projected_grpo.study import arms
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-@pytest.mark.parametrize("arm", ["screen:direction", "advantage:probe", "inoculation"])
+@pytest.mark.parametrize("arm", ["screen:direction", "advantage:probe", "inoculation", "penalty:degraded90",
+                                 "screen:detector", "erase_bounded"])
 def test_a_bench_arm_trains_smollm2(smollm2_dir, tmp_path, monkeypatch, arm):
     monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))  # V_hack and SVDs: this test's own
     base = C.replace(presets.SMOLLM2_MATH_CPU, model={"path": str(smollm2_dir)},
@@ -38,6 +40,10 @@ def test_a_bench_arm_trains_smollm2(smollm2_dir, tmp_path, monkeypatch, arm):
         record = json.loads((tmp_path / "run" / intervene.MONITOR_FILE).read_text())
         assert record["intervention"] == arm.split(":")[0]
         assert 0.0 <= row["monitor/flagged_frac"] <= 1.0
-    else:  # inoculation: trained under its prompt (its mechanics: tests/test_intervene.py)
+    elif arm == "inoculation":  # trained under its prompt (its mechanics: tests/test_intervene.py)
         saved = json.loads((tmp_path / "run" / "config.json").read_text())
         assert saved["monitor"]["intervention"] == "inoculation"
+    else:  # erase_bounded: the gradient erased along V_hack; Adam's per-coordinate step still moves the knob
+        # along V, and the clamp takes that off, leaving it at or behind its start (docs/metrics.md)
+        assert row["proj/fired_frac"] > 0.0 and row["proj/cout"] < 1e-3 * row["proj/cin"]
+        assert row["knob/v_clamped"] > 0.0 and row["knob/v_coef"] <= 0.0
