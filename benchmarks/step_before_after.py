@@ -1,8 +1,9 @@
 """Training step time of two (or more) source trees on one preset, measured alternately in one session.
 
-Each side is a `src` directory (a checkout's, e.g. an older commit's worktree) plus extra train flags; each
-run is `python -m projected_grpo.cli train --preset P --model M --arm none` in a fresh subprocess with that
-`src` first on PYTHONPATH, reading `time/step` (and `time/generate`, `time/backward`, `sample/kl` where the
+Each side is a `src` directory (a checkout's, e.g. an older commit's worktree) plus extra train flags
+(`NAME=value` among them sets an environment variable of that side's runs instead); each run is
+`python -m projected_grpo.cli train --preset P --model M --arm none` in a fresh subprocess with that `src`
+first on PYTHONPATH, reading `time/step` (and `time/generate`, `time/backward`, `sample/kl` where the
 tree logs it) from the run's metrics.jsonl. An untimed 1-step run per side first fills the shared cache
 (SVDs, V_hack) so no timed run pays for a cold one. Then the sides alternate, the order flipped every
 round (A B, B A, ...), so a change in the machine's load falls on all sides alike. Per side: the median
@@ -11,6 +12,7 @@ growth). The speedup of a side is the first side's median step time over its own
 
     PYTHONPATH=src .venv/bin/python benchmarks/step_before_after.py \
         --side old=../base/src --side "new=src" --side "new_bf16=src:--rollout.sample-dtype bfloat16" \
+        [--side "new_keep=src:GLIBC_TUNABLES=glibc.malloc.trim_threshold=2147483648"] \
         [--preset smollm2-cpu] [--model smollm2] [--steps 4] [--rounds 2]
 
 Last line: `RESULT <side>_step_s=<median> ... speedup_<side>=<first side / side> ...`.
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import resource
 import shlex
 import statistics
@@ -31,10 +34,11 @@ import tempfile
 import time
 
 KEYS = ("time/step", "time/generate", "time/backward", "sample/kl")
+ENV_WORD = re.compile(r"[A-Z_][A-Z0-9_]*=")  # a side's `VAR=value` word: the environment, not a train flag
 
 
 def parse_side(text: str) -> tuple[str, str, list[str]]:
-    """'name=src[:flags]' -> (name, absolute src path, extra train flags)."""
+    """'name=src[:flags]' -> (name, absolute src path, extra train flags and VAR=value environment words)."""
     name, eq, rest = text.partition("=")
     src, _, flags = rest.partition(":")
     if not eq or not name.isidentifier() or not (pathlib.Path(src) / "projected_grpo").is_dir():
@@ -45,9 +49,11 @@ def parse_side(text: str) -> tuple[str, str, list[str]]:
 
 def train(src: str, flags: list[str], base: list[str], run_dir: pathlib.Path, steps: int) -> dict:
     """One run: its metrics rows' KEYS (lists over steps), wall s, CPU s of the process tree, load at end."""
+    words = [f for f in flags if ENV_WORD.match(f)]
+    flags = [f for f in flags if f not in words]
     cmd = [sys.executable, "-m", "projected_grpo.cli", "train", *base, "--arm", "none", "--run.dir",
            str(run_dir), "--run.steps", str(steps), "--run.checkpoint-every", str(steps), *flags]
-    env = dict(os.environ, PYTHONPATH=src)
+    env = dict(os.environ, PYTHONPATH=src, **dict(w.split("=", 1) for w in words))
     cpu0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     wall, cpu1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
