@@ -15,6 +15,10 @@ Bounds (all work counted, nothing assumed free; attention included; each dtype a
   training   FLOPs / fp32 rate of: the forward, the input-gradient backward (frozen weights: no weight
              gradient), each knob gradient in its cheaper form (thin or through the weight gradient), and
              the W_eff merge (a full-rank SVD knob is merged once per step).
+The sampler's kernel alone: each decode step's projections timed in the sampler's own matmul kernel (oneDNN's
+prepacked linear, or F.linear for exact sampling) at its row count, weights read from memory, plus the
+prefill's bound: the most the sampling fraction could be with that kernel and no other cost (printed beside
+it with ours as a fraction of it; not in the RESULT line).
 The fractions are CPU-time ratios (process CPU time of this one-thread process, probes included), so a
 busy machine inflates probes and workloads alike; wall-clock fractions are printed beside them.
 
@@ -39,6 +43,7 @@ from projected_grpo.objective.teacher import TEACHER_MODES
 from projected_grpo.run import setup
 from projected_grpo.sampling.generate import generate
 from projected_grpo.sampling.pack import as_ids, encode_completion
+from projected_grpo.sampling.packed import PackedLinear
 from projected_grpo.sampling.prefix import scoring
 from projected_grpo.sampling.sample import SAMPLE_DTYPES
 
@@ -78,6 +83,16 @@ def linear_shapes(model) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     return body, tuple(model.lm_head.weight.shape)
 
 
+def prefill_bound(model, P: int, rate: float) -> float:
+    """Seconds the shared prefill of one prompt of P tokens needs at least at `rate` GFLOP/s (it is
+    compute-bound): every projection for P positions, the lm_head for the last, causal attention."""
+    body, (V, E) = linear_shapes(model)
+    c = model.config
+    L, H = c.num_hidden_layers, c.num_attention_heads
+    D = E // H
+    return (P * 2 * sum(o * i for o, i in body) + 2 * V * E + 2 * H * D * P * P * L) / (rate * 1e9)
+
+
 def sample_bound(model, P: int, N: int, T: int, rate: float, bw: float, nbytes: int) -> float:
     """Seconds this machine needs at least to sample N rows x T tokens after one prompt of P tokens
     (prefill shared), with weights of `nbytes` bytes per element, at `rate` GFLOP/s and `bw` GB/s."""
@@ -87,13 +102,48 @@ def sample_bound(model, P: int, N: int, T: int, rate: float, bw: float, nbytes: 
     D = E // H
     per_tok = 2 * sum(o * i for o, i in body)
     weight_bytes = nbytes * (sum(o * i for o, i in body) + V * E)
-    t = (P * per_tok + 2 * V * E + 2 * H * D * P * P * L) / (rate * 1e9)  # prefill: compute-bound
+    t = prefill_bound(model, P, rate)
     for j in range(1, T):  # T tokens need T - 1 decode steps (the first comes from the prefill)
         n = P + j
         flops = N * (per_tok + 2 * V * E + 4 * H * D * n * L)
         moved = weight_bytes + N * 2 * L * Hkv * D * n * nbytes
         t += max(flops / (rate * 1e9), moved / (bw * 1e9))
     return t
+
+
+def decode_shapes(model) -> dict[tuple[int, int], int]:
+    """(d_out, d_in) -> how many of that projection a decode step runs, as the samplers lay them out: a
+    layer's q, k and v as one matmul (packed.py), then o, gate, up, down, and the lm_head."""
+    c = model.config
+    E, H, Hkv, L = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.num_hidden_layers
+    D, inter, V = getattr(c, "head_dim", None) or E // H, c.intermediate_size, model.lm_head.weight.shape[0]
+    out: dict[tuple[int, int], int] = {}
+    for shape, n in (((H * D + 2 * Hkv * D, E), L), ((E, H * D), L), ((inter, E), 2 * L), ((E, inter), L),
+                     ((V, E), 1)):
+        out[shape] = out.get(shape, 0) + n
+    return out
+
+
+def kernel_step(model, rows: int, dtype: torch.dtype | None) -> float:
+    """CPU seconds one decode step's projections take in the sampler's own matmul kernel at `rows` rows, and
+    nothing else: oneDNN's prepacked linear in `dtype` (packed.PackedLinear), or F.linear in the model's
+    dtype for exact sampling (dtype None). Each shape is timed over copies of its weight that together
+    exceed the caches (256 MB), best of 3, as a decode step reads them: once each, from memory."""
+    total = 0.0
+    for (d_out, d_in), count in decode_shapes(model).items():
+        dt = dtype or next(model.parameters()).dtype
+        copies = max(2, int(256e6 // (d_out * d_in * dt.itemsize)))
+        x = torch.randn(rows, d_in).to(dt)
+        if dtype is None:
+            ws = [torch.randn(d_out, d_in).to(dt) for _ in range(copies)]
+            calls = [lambda w=w, x=x: F.linear(x, w) for w in ws]
+        else:
+            ws = [PackedLinear(torch.randn(d_out, d_in), None, dt, rows) for _ in range(copies)]
+            calls = [lambda w=w, x=x: w(x) for w in ws]
+        with torch.inference_mode():
+            c, _, _ = _timed(lambda calls=calls: [f() for f in calls], reps=3)
+        total += count * c / copies
+    return total
 
 
 def train_bound(model, knobs, segments: list[tuple[int, int]], head_tokens: int, rate: float) -> float:
@@ -186,6 +236,8 @@ def main() -> None:
         s_bound = sample_bound(model, len(prompt), N, T, rate, pr["bw"], nbytes)
         s_bound_wall = sample_bound(model, len(prompt), N, T, pr.get(sample_rate_key + " wall", rate),
                                     pr["bw wall"], nbytes)
+        # the sampler's own matmul kernel, alone: what the fraction could be with no other cost
+        s_ceiling = prefill_bound(model, len(prompt), rate) + (T - 1) * kernel_step(model, N, dt)
 
         def train(comps=comps):
             with torch.no_grad():
@@ -203,20 +255,23 @@ def main() -> None:
         row = {"fp32": pr["torch.float32"], "bf16": pr.get("torch.bfloat16", 0.0), "bw": pr["bw"],
                "tok_s": N * T / s_wall, "tok_s_cpu": N * T / s_cpu, "bound_tok_s": N * T / s_bound,
                "sample": s_bound / s_cpu, "sample_wall": s_bound_wall / s_wall,
+               "kernel": s_bound / s_ceiling, "of_kernel": s_ceiling / s_cpu,
                "train_s": t_cpu, "train_bound_s": t_bound, "train": t_bound / t_cpu,
                "train_wall": t_bound_wall / t_wall}
         rows.append(row)
         print(f"round {r}: fp32 {row['fp32']:.0f} bf16 {row['bf16']:.0f} GFLOP/s, read {row['bw']:.1f} GB/s"
               " | "
               f"sampling {row['tok_s_cpu']:.0f} tok/s (cpu; wall {row['tok_s']:.0f}), bound "
-              f"{row['bound_tok_s']:.0f} -> {row['sample']:.2f} (wall {row['sample_wall']:.2f}) | training "
+              f"{row['bound_tok_s']:.0f} -> {row['sample']:.2f} (wall {row['sample_wall']:.2f}; the kernel "
+              f"alone {row['kernel']:.2f}, ours {row['of_kernel']:.2f} of it) | training "
               f"{t_cpu:.2f} s cpu ({t_wall:.2f} wall), bound {t_bound:.2f} s -> {row['train']:.2f} "
               f"(wall {row['train_wall']:.2f})", flush=True)
     env.close()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(f"medians over {len(rows)} rounds: sampling {med['tok_s_cpu']:.0f} tok/s of a "
-          f"{med['bound_tok_s']:.0f} "
-          f"bound, training step {med['train_s']:.2f} s of a {med['train_bound_s']:.2f} s bound")
+          f"{med['bound_tok_s']:.0f} bound, training step {med['train_s']:.2f} s of a "
+          f"{med['train_bound_s']:.2f} s bound; the sampler's matmul kernel alone would reach "
+          f"{med['kernel']:.3f} of the sampling bound (ours is {med['of_kernel']:.3f} of that)")
     print(f"RESULT sample_roofline={med['sample']:.3f} train_roofline={med['train']:.3f}")
 
 

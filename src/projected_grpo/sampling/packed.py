@@ -46,7 +46,7 @@ def packs_on_cpu(dtype: torch.dtype = DTYPE) -> bool:
             and (dtype != torch.bfloat16 or ops._is_mkldnn_bf16_supported()))
 
 
-class _Linear:
+class PackedLinear:
     """x (..., d_in) -> x·Wᵀ + b in `dtype`, W (d_out, d_in) copied to `dtype` once (prepacked on CPU), with
     oneDNN's fused epilogues where packed: `swish(x)` = silu(x·Wᵀ + b), `then(x, y, op)` = (x·Wᵀ + b) + y
     (op "add") or * y ("mul"), rounded to `dtype` once (unpacked: the same ops one after the other)."""
@@ -83,12 +83,12 @@ def _weight(linear) -> tuple[Tensor, Tensor | None]:
     return linear.weight, linear.bias
 
 
-def _fused(linears, dtype: torch.dtype, rows: int) -> _Linear:
-    """One _Linear computing the concatenation of `linears`' outputs."""
+def _fused(linears, dtype: torch.dtype, rows: int) -> PackedLinear:
+    """One PackedLinear computing the concatenation of `linears`' outputs."""
     Ws, bs = zip(*(_weight(m) for m in linears))
     b = None if all(x is None for x in bs) else torch.cat(
         [x if x is not None else W.new_zeros(W.shape[0]) for W, x in zip(Ws, bs)])
-    return _Linear(torch.cat(Ws), b, dtype, rows)
+    return PackedLinear(torch.cat(Ws), b, dtype, rows)
 
 
 def _scale(norm, dtype: torch.dtype) -> Tensor:
@@ -112,16 +112,18 @@ class PackedLM:
         self.D, self.Hkv, self.H = a0.head_dim, config.num_key_value_heads, config.num_attention_heads
         self.scale, self.E, self.eps = a0.scaling, config.hidden_size, body.norm.variance_epsilon
         self.silu = getattr(config, "hidden_act", None) == "silu"  # fuses into the gate's matmul
+        def lin(module) -> PackedLinear:
+            return PackedLinear(*_weight(module), dtype, rows)
+
         self.layers = []
         for layer in body.layers[:config.num_hidden_layers]:
             a, m = layer.self_attn, layer.mlp
             self.layers.append((
                 _scale(layer.input_layernorm, dtype), _fused((a.q_proj, a.k_proj, a.v_proj), dtype, rows),
-                _Linear(*_weight(a.o_proj), dtype, rows), _scale(layer.post_attention_layernorm, dtype),
-                _Linear(*_weight(m.gate_proj), dtype, rows), _Linear(*_weight(m.up_proj), dtype, rows),
-                _Linear(*_weight(m.down_proj), dtype, rows), m.act_fn))
+                lin(a.o_proj), _scale(layer.post_attention_layernorm, dtype),
+                lin(m.gate_proj), lin(m.up_proj), lin(m.down_proj), m.act_fn))
         self.norm = _scale(body.norm, dtype)
-        self.lm_head = _Linear(*_weight(model.lm_head), dtype, rows)
+        self.lm_head = lin(model.lm_head)
         self.k: list[Tensor] = []  # per layer (N, C, Hkv, D): keys after the rotary embedding
         self.v: list[Tensor] = []
 
