@@ -129,9 +129,8 @@ def kernel_step(model, rows: int, dtype: torch.dtype | None) -> float:
     nothing else: oneDNN's prepacked linear in `dtype` (packed.PackedLinear), or F.linear in the model's
     dtype for exact sampling (dtype None). Each shape is timed over copies of its weight that together
     exceed the caches (256 MB), best of 3, as a decode step reads them: once each, from memory."""
-    total = 0.0
+    total, dt = 0.0, dtype or next(model.parameters()).dtype
     for (d_out, d_in), count in decode_shapes(model).items():
-        dt = dtype or next(model.parameters()).dtype
         copies = max(2, int(256e6 // (d_out * d_in * dt.itemsize)))
         x = torch.randn(rows, d_in).to(dt)
         if dtype is None:
