@@ -96,3 +96,22 @@ def test_candidates_are_label_free_interventions_only():
     assert not F.candidate("gt_reward") and not F.candidate("none")
     assert not F.candidate("penalty:probe")  # per-sample labels
     assert not F.candidate("erase_bounded@random")  # a twin
+
+
+def test_the_command_trains_the_chosen_seeds_and_nothing_else():
+    c = F.Choice(("penalty:ground_truth",), "erase", "", ("penalty:ground_truth", "erase", "random_V", "none",
+                                                          "gt_reward"))
+    study = ("projected-grpo study --preset demo --seeds 3 --lomo-modes sentinel --out runs/study-code "
+             "--interventions penalty:ground_truth,penalty:probe --env.max-problems=12")
+    main_arms = {"none", "gt_reward", "erase", "random_V", "route"}
+    # the main part's chosen arms as --arms, the bench's as --interventions, no fold; the rest kept
+    assert F.command(study, c, main_arms) == (
+        "projected-grpo study --preset demo --out runs/study-code --env.max-problems=12 --seeds 5 "
+        "--arms erase,random_V,none,gt_reward --lomo-modes none --interventions penalty:ground_truth")
+    # `--opt=value` and underscore spellings and the report-only flag are replaced too; no bench arm: none
+    c2 = F.Choice((), None, "", ("none", "gt_reward"))
+    assert F.command("projected-grpo study --seeds=3 --arms=none,erase --report-only --lomo_arms erase",
+                     c2, {"none", "gt_reward"}) == ("projected-grpo study --seeds 5 --arms none,gt_reward "
+                                                    "--lomo-modes none --interventions ''")
+    text = "\n".join(F.lines(c2, None, [0, 1, 2], "projected-grpo study --seeds 5"))
+    assert "- To train them (seeds 0-4; finished runs are kept): `projected-grpo study --seeds 5`" in text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -234,6 +235,16 @@ def test_study_end_to_end_then_a_rerun_skips_everything(tmp_path, capsys):
     assert preregistered.main(argv) == 0  # resumes: every run finished, so all are skipped
     n = len(preregistered.PREREGISTERED_ARMS) + 2 + 2
     assert f"trained 0, resumed 0, skipped {n} as finished" in (out / "report.md").read_text()
+    # the follow-up's command plans seeds 1-4 of exactly the arms it names (no fold arm): read back with
+    # --report-only, which trains nothing and lists every planned run not finished
+    more = md.split("- More seeds for: ")[1].split(".\n")[0]
+    chosen = {a.strip("`") for a in more.split(", ")}
+    nxt = md.split("- To train them (seeds 0-4; finished runs are kept): `")[1].split("`")[0]
+    assert preregistered.main([*shlex.split(nxt)[2:], "--report-only"]) == 0
+    assert "--lomo-modes none" in nxt and "lomo-sentinel" not in (out / "report.md").read_text()  # no fold
+    parts = "\n".join(p.read_text() for p in out.glob("*/report.md"))  # each part's report names its own
+    missing = re.findall(r"([\w:@]+) \(missing (\d) of 5\)", parts)
+    assert {a for a, _ in missing} == chosen and {k for _, k in missing} == {"4"}
 
 
 @pytest.mark.slow

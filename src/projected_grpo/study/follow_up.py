@@ -13,13 +13,15 @@ verdicts, each arm's random-V twin and its contrasts against its controls, as th
               gt_reward's, and a paired win over every control it has in the sweep (ours.Contrast.beats).
   choose      (end, verdicts, random twins) on the seeds every arm ran -> Choice
   goal        the chosen arm's distance on all its seeds -> Goal
-  lines       Choice, Goal -> markdown lines for the bench report
+  command     the study's own command -> the one that trains the chosen arms' extra seeds and nothing else
+  lines       Choice, Goal, that command -> markdown lines for the bench report
 Not here: the verdicts (bench.py), the contrasts (ours.py), reading runs (tables.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import shlex
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from projected_grpo.study import arms as arms_table
@@ -30,6 +32,11 @@ from projected_grpo.study.verdicts import EPS, FALSIFY_HACK_DROP, HACK, SOLVE, S
 LABEL_FREE = ("none", "pairs")
 CUT = FALSIFY_HACK_DROP  # a hack cut of 15 points: less is "no effect" (docs/interventions.md)
 GOAL_HACK = 0.05  # the goal: deployed hack within 5 points of gt_reward's
+MORE_SEEDS = 5  # seeds 0-4: the rule adds seeds 3 and 4
+NO_FOLDS = "none"  # `study --lomo-modes none`: no leave-one-mode-out part (the rule adds no fold seeds)
+# the study options `command` sets itself (valued, and the one flag); every other word is kept
+_SET = ("--seeds", "--arms", "--lomo-modes", "--lomo-arms", "--interventions")
+_FLAG = "--report-only"
 
 
 @dataclass(frozen=True)
@@ -98,13 +105,37 @@ def goal(arm: str, end: Mapping[str, Mapping[str, Stat]], controls: Sequence[Con
     return Goal(arm, rel(HACK), rel(SOLVE), tuple(controls))
 
 
-def lines(c: Choice, g: Goal | None, seeds: Sequence[int]) -> list[str]:
+def command(study: str, c: Choice, main_arms: Collection[str]) -> str:
+    """`study` (a `projected-grpo study ...` command line) made to train c.more_seeds at MORE_SEEDS seeds and
+    nothing else: the chosen arms of the main part (`main_arms`) as --arms, the others as --interventions
+    (empty: no bench part), no leave-one-mode-out part (`--lomo-modes none`); every other word (preset,
+    --out, config fields) as it was. Finished runs are kept by the study: it trains the extra seeds only."""
+    words, kept, skip = shlex.split(study), [], False
+    for w in words:
+        name = w.split("=", 1)[0].replace("_", "-")
+        if skip or name == _FLAG:
+            skip = False
+            continue
+        if name in _SET:
+            skip = "=" not in w  # `--opt value`: its value is the next word
+            continue
+        kept.append(w)
+    main = [a for a in c.more_seeds if a in main_arms]
+    bench = [a for a in c.more_seeds if a not in main_arms]
+    return shlex.join([*kept, "--seeds", str(MORE_SEEDS), "--arms", ",".join(main), "--lomo-modes", NO_FOLDS,
+                       "--interventions", ",".join(bench)])
+
+
+def lines(c: Choice, g: Goal | None, seeds: Sequence[int], next_command: str = "") -> list[str]:
     """The bench report's section: what gets more seeds and why (chosen on `seeds`, those every arm ran),
-    and the best label-free arm's distance to the goal on all its seeds, each beside its goal."""
+    the command that trains them (`next_command`, when given), and the best label-free arm's distance to the
+    goal on all its seeds, each beside its goal."""
     on = f"seeds {', '.join(map(str, seeds))}, which every arm ran"
     out = [f"- Chosen on {on}. Bench arms \"{KEPT}\": {', '.join(f'`{a}`' for a in c.kept) or 'none'}.",
            f"- Best label-free arm: {f'`{c.best}`' if c.best else 'none'} ({c.why}).",
            f"- More seeds for: {', '.join(f'`{a}`' for a in c.more_seeds)}."]
+    if next_command:
+        out.append(f"- To train them (seeds 0-{MORE_SEEDS - 1}; finished runs are kept): `{next_command}`")
     if g is None:
         return out
     hack = "-" if g.hack_vs_gt is None else f"{pts(g.hack_vs_gt)} (goal <= +{100 * GOAL_HACK:.0f} pts)"

@@ -195,12 +195,12 @@ def finished_only(planned: list) -> list:
     return out
 
 
-def _follow_up(main: tables.Runs, bench_runs: tables.Runs) -> list[str]:
+def _follow_up(main: tables.Runs, bench_runs: tables.Runs, command: str) -> list[str]:
     """follow_up's section of the bench report. The choice reads the main part's arms and the bench's on the
     seeds every arm ran (as the rule was written: on the first seeds, before any arm got more) and adds each
     chosen arm's random-V twin; the goal reads every seed. Each arm's contrasts against its controls are its
     own report's (main: every control twin, Holm over the main report's family; bench: the random-V twin,
-    Holm over the bench's)."""
+    Holm over the bench's). `command`: the study's, made into the one that trains the chosen seeds."""
     arms = [a for a in bench_runs if a not in BASELINES]
 
     def read(keep=lambda d: True):
@@ -229,7 +229,7 @@ def _follow_up(main: tables.Runs, bench_runs: tables.Runs) -> list[str]:
     if any(s != set(common) for s in seeds):  # some arms ran more seeds: the goal reads all of them
         end, _, controls, _ = read()
     g = None if choice.best is None else follow_up.goal(choice.best, end, controls.get(choice.best, ()))
-    return follow_up.lines(choice, g, common)
+    return follow_up.lines(choice, g, common, follow_up.command(command, choice, main))
 
 
 def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, preset: str, command: str,
@@ -267,7 +267,7 @@ def write_study_report(out: pathlib.Path, planned: list, base: C.Config, *, pres
                         "## Is the monitor evaded? (docs/interventions.md; descriptive, no verdict)", "",
                         evasion.table({a: [tables.read_run(d)[1] for d in by_arm[a]] for a in order}), "",
                         "## More seeds, and the goal (docs/interventions.md; a rule written before the runs)",
-                        "", *_follow_up(main, by_arm), ""]
+                        "", *_follow_up(main, by_arm, command), ""]
             store.write_text_atomic(out / part.name / "bench.md", "\n".join(bench_md) + "\n")
     table = report.results_table(tables.aggregate(rows))
     n_runs = sum(len(runs) for _, runs, _, _ in planned)
@@ -309,7 +309,8 @@ class StudyOpts(presets.Base):
     lomo_arms: str = ",".join(LOMO_ARMS)
     """comma-separated arms of each leave-one-mode-out fold (`none` is added, or borrowed from main)"""
     lomo_modes: str = ""
-    """comma-separated held-out modes (empty = every loophole mode the preset trains on)"""
+    """comma-separated held-out modes (empty = every loophole mode the preset trains on; `none`: no
+    leave-one-mode-out part)"""
     interventions: str = "all"
     """comma-separated arms of the intervention bench part (docs/interventions.md; `all`: every
     `<intervention>:<monitor>` arm, inoculation, erase_bounded and the random-V twins of those V acts in;
@@ -333,7 +334,8 @@ def main(argv: list[str]) -> int:
                         f">= 1, jobs >= 0 and a backend among {list(launch.BACKENDS)}")
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]
     arms = list(arms_table.ARMS) if opts.arms.strip() == "all" else split(opts.arms)
-    lomo_arms, modes = split(opts.lomo_arms), split(opts.lomo_modes) or None
+    lomo_arms = split(opts.lomo_arms)
+    modes = [] if opts.lomo_modes.strip() == follow_up.NO_FOLDS else (split(opts.lomo_modes) or None)
     bench_arms = list(BENCH_ARMS) if opts.interventions.strip() == "all" else split(opts.interventions)
     parts(base, lomo_arms, modes, arms, bench_arms)  # refuse bad arms / modes before any work
     out = opts.out or f"runs/study-{opts.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
