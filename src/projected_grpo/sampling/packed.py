@@ -112,6 +112,7 @@ class PackedLM:
         self.D, self.Hkv, self.H = a0.head_dim, config.num_key_value_heads, config.num_attention_heads
         self.scale, self.E, self.eps = a0.scaling, config.hidden_size, body.norm.variance_epsilon
         self.silu = getattr(config, "hidden_act", None) == "silu"  # fuses into the gate's matmul
+
         def lin(module) -> PackedLinear:
             return PackedLinear(*_weight(module), dtype, rows)
 
