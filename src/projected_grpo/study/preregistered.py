@@ -142,9 +142,9 @@ def study(base: C.Config, seeds: Sequence[int], out: str | pathlib.Path, *, pres
             (out / part.name).mkdir(parents=True, exist_ok=True)
             part_base, runs, notes = (experiment.plan_sweep(main_base, tok, part.arms, seeds, out / part.name,
                                                             "", log) if part.arms else (main_base, [], []))
-        else:
-            part_base, runs, notes = experiment.plan_sweep(base, tok, part.arms, seeds, out / part.name,
-                                                           part.lomo, log)
+        else:  # a fold whose arms are all borrowed (`--lomo-arms ''` where `none` is main's) plans nothing
+            part_base, runs, notes = (experiment.plan_sweep(base, tok, part.arms, seeds, out / part.name,
+                                                            part.lomo, log) if part.arms else (base, [], []))
         same = same_runs(runs)
         runs = [r for r in runs if r.arm not in same]
         dirs = {a: [r.dir for r in runs if r.arm == same.get(a, a)] for a in part.arms}
