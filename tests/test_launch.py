@@ -277,7 +277,8 @@ def test_study_without_teacher_rows_trains_equal_configs_once_and_folds_borrow_n
     capsys.readouterr()
     assert preregistered.main([*argv, "--lomo-arms", "", "--report-only"]) == 0
     err = capsys.readouterr().err
-    assert "part lomo-sentinel: 0 arms x 1 seeds, none borrowed from main" in err and "2 runs in 2 parts" in err
+    assert "part lomo-sentinel: 0 arms x 1 seeds, none borrowed from main" in err
+    assert "2 runs in 2 parts" in err
 
 
 # --- slow: a sweep owns its runs (SIGKILL or SIGTERM to it stops them; the same command resumes) -----------
