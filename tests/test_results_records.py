@@ -7,6 +7,7 @@ and Tier 2 (findings 8.16, 8.17) from its records.
 
 from __future__ import annotations
 
+import gzip
 import json
 import pathlib
 import statistics
@@ -91,3 +92,29 @@ def test_tier2_penalty_arm_as_findings_8_17_states_it():
     for k, want in (("solve/deploy", -5.4), ("format/deploy", -0.2)):
         diff = 100 * (statistics.fmean(pen[k]) - statistics.fmean(gt[k]))
         assert diff == pytest.approx(want, abs=0.05) and diff > -10
+
+
+BENCH = TIER1.parents[1] / "coding-bench"  # findings 9.15: the coding bench's rerun, committed as it finishes
+
+
+def bench_arm(cfg: dict) -> str:
+    """The study's name of the arm a coding-bench record's config trains (docs/interventions.md)."""
+    if cfg["monitor"]["intervention"] == "none":
+        return {"grader": "none", "oracle": "gt_reward"}[cfg["env"]["reward_from"]]
+    m = cfg["monitor"]
+    kind = f"degraded{round(100 * m['accuracy'])}" if m["kind"] == "degraded" else m["kind"]
+    return f"{m['intervention']}:{kind}" + ("@random" if cfg["proj"]["control"] == "random" else "")
+
+
+def test_every_coding_bench_record_is_a_finished_run_of_its_folder_name():
+    folders = sorted(BENCH.glob("*/*-s*"))
+    assert folders, f"{BENCH}: no records"
+    for folder in folders:
+        arm, seed = folder.name.rsplit("-s", 1)
+        cfg = json.loads((folder / "config.json").read_text())
+        assert cfg["run"]["seed"] == int(seed) and cfg["run"]["steps"] == 300, folder
+        assert bench_arm(cfg).replace(":", "-") == arm, folder
+        assert pathlib.Path(cfg["run"]["dir"]).name == f"{bench_arm(cfg)}-s{seed}", folder
+        assert folder.parent.name == ("main" if arm in ("none", "gt_reward") else "interventions"), folder
+        rows = gzip.decompress((folder / "metrics.jsonl.gz").read_bytes()).decode().splitlines()
+        assert len(rows) == 300 and json.loads((folder / "summary.json").read_text()), folder
