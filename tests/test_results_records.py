@@ -118,3 +118,5 @@ def test_every_coding_bench_record_is_a_finished_run_of_its_folder_name():
         assert folder.parent.name == ("main" if arm in ("none", "gt_reward") else "interventions"), folder
         rows = gzip.decompress((folder / "metrics.jsonl.gz").read_bytes()).decode().splitlines()
         assert len(rows) == 300 and json.loads((folder / "summary.json").read_text()), folder
+        machine = json.loads((folder / "machine.json").read_text())  # whose rounding it is (findings 9.16)
+        assert machine["cores"] == 2 and machine["torch_cpu_capability"] in ("AVX2", "AVX512"), folder
