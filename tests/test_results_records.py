@@ -2,11 +2,12 @@
 
 findings 8.10's rule, recomputed from the records of SmolLM2's Tier 1c/1d runs: per seed,
 d = Δ hack/deploy(none) − Δ hack/deploy(gt_reward), Δ = mean of the last 10 steps − mean of the first 10;
-and Tier 2 (findings 8.16, 8.17) from its records.
+and Tier 2 (findings 8.16, 8.17) from its records; the coding bench's rerun (findings 9.16) from its records.
 """
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import pathlib
@@ -120,3 +121,32 @@ def test_every_coding_bench_record_is_a_finished_run_of_its_folder_name():
         assert len(rows) == 300 and json.loads((folder / "summary.json").read_text()), folder
         machine = json.loads((folder / "machine.json").read_text())  # whose rounding it is (findings 9.16)
         assert machine["cores"] == 2 and machine["torch_cpu_capability"] in ("AVX2", "AVX512"), folder
+
+
+@functools.cache
+def bench_means(arm: str, seeds: tuple[int, ...] = (0, 1, 2)) -> list[float]:
+    """An arm's hack / solve / well-formed: each run's last-5-step mean, averaged over `seeds`."""
+    part = "main" if arm in ("none", "gt_reward") else "interventions"
+    runs = []
+    for s in seeds:
+        folder = BENCH / part / f"{arm.replace(':', '-')}-s{s}"
+        lines = gzip.decompress((folder / "metrics.jsonl.gz").read_bytes()).decode().splitlines()
+        rows = [json.loads(line) for line in lines[-5:]]
+        runs.append([statistics.fmean(r[k] for r in rows[-5:]) for k in ("hack/deploy", "solve/deploy",
+                                                                          "format/deploy")])
+    return [statistics.fmean(col) for col in zip(*runs)]
+
+
+def test_coding_bench_rerun_as_findings_9_16_states_it():
+    """The rerun's column of findings 9.16's table (seeds 0-2), and the one verdict that moved."""
+    table = {"none": (0.908, 0.010, 0.888), "gt_reward": (0.004, 0.779, 0.885),
+             "screen:ground_truth": (0.037, 0.750, 0.898), "screen:degraded90": (0.027, 0.735, 0.881),
+             "screen:degraded70": (0.140, 0.600, 0.860), "screen:detector": (0.027, 0.744, 0.877),
+             "penalty:ground_truth": (0.006, 0.773, 0.888), "penalty:detector": (0.004, 0.758, 0.846),
+             "advantage:detector": (0.029, 0.765, 0.894), "advantage:probe": (0.027, 0.748, 0.875),
+             "screen:direction": (0.140, 0.117, 0.408), "screen:direction@random": (0.427, 0.046, 0.423)}
+    for arm, want in table.items():
+        assert [round(x, 3) for x in bench_means(arm)] == list(want), arm
+    # screen:degraded70's solve 0.600 against gt_reward's 0.779: -17.9 points, outside "kept" (within 10)
+    gap = 100 * (bench_means("screen:degraded70")[1] - bench_means("gt_reward")[1])
+    assert gap == pytest.approx(-17.9, abs=0.05) and gap < -10
