@@ -107,6 +107,17 @@ def bench_arm(cfg: dict) -> str:
     return f"{m['intervention']}:{kind}" + ("@random" if cfg["proj"]["control"] == "random" else "")
 
 
+def bench_folder(arm: str, seed: int) -> pathlib.Path:
+    """A coding-bench run's record: its study part, its arm with `:` as `-` (docs/results/README.md)."""
+    part = "main" if arm in ("none", "gt_reward") else "interventions"
+    return BENCH / part / f"{arm.replace(':', '-')}-s{seed}"
+
+
+def bench_rows(folder: pathlib.Path) -> list[str]:
+    """A record's metrics rows (one JSON line per step), from its gzipped metrics.jsonl."""
+    return gzip.decompress((folder / "metrics.jsonl.gz").read_bytes()).decode().splitlines()
+
+
 def test_every_coding_bench_record_is_a_finished_run_of_its_folder_name():
     folders = sorted(BENCH.glob("*/*-s*"))
     assert folders, f"{BENCH}: no records"
@@ -116,9 +127,8 @@ def test_every_coding_bench_record_is_a_finished_run_of_its_folder_name():
         assert cfg["run"]["seed"] == int(seed) and cfg["run"]["steps"] == 300, folder
         assert bench_arm(cfg).replace(":", "-") == arm, folder
         assert pathlib.Path(cfg["run"]["dir"]).name == f"{bench_arm(cfg)}-s{seed}", folder
-        assert folder.parent.name == ("main" if arm in ("none", "gt_reward") else "interventions"), folder
-        rows = gzip.decompress((folder / "metrics.jsonl.gz").read_bytes()).decode().splitlines()
-        assert len(rows) == 300 and json.loads((folder / "summary.json").read_text()), folder
+        assert folder == bench_folder(bench_arm(cfg), int(seed)), folder
+        assert len(bench_rows(folder)) == 300 and json.loads((folder / "summary.json").read_text()), folder
         machine = json.loads((folder / "machine.json").read_text())  # whose rounding it is (findings 9.16)
         assert machine["cores"] == 2 and machine["torch_cpu_capability"] in ("AVX2", "AVX512"), folder
 
@@ -126,14 +136,11 @@ def test_every_coding_bench_record_is_a_finished_run_of_its_folder_name():
 @functools.cache
 def bench_means(arm: str, seeds: tuple[int, ...] = (0, 1, 2)) -> list[float]:
     """An arm's hack / solve / well-formed: each run's last-5-step mean, averaged over `seeds`."""
-    part = "main" if arm in ("none", "gt_reward") else "interventions"
     runs = []
     for s in seeds:
-        folder = BENCH / part / f"{arm.replace(':', '-')}-s{s}"
-        lines = gzip.decompress((folder / "metrics.jsonl.gz").read_bytes()).decode().splitlines()
-        rows = [json.loads(line) for line in lines[-5:]]
-        runs.append([statistics.fmean(r[k] for r in rows[-5:]) for k in ("hack/deploy", "solve/deploy",
-                                                                          "format/deploy")])
+        rows = [json.loads(line) for line in bench_rows(bench_folder(arm, s))[-5:]]
+        runs.append([statistics.fmean(r[k] for r in rows) for k in ("hack/deploy", "solve/deploy",
+                                                                    "format/deploy")])
     return [statistics.fmean(col) for col in zip(*runs)]
 
 
