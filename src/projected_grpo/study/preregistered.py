@@ -138,13 +138,12 @@ def study(base: C.Config, seeds: Sequence[int], out: str | pathlib.Path, *, pres
     for part in todo:
         log(f"[study] part {part.name}: {len(part.arms)} arms x {len(seeds)} seeds"
             + (f", {', '.join(part.borrowed)} borrowed from main" if part.borrowed else ""))
-        if part.name == INTERVENTIONS:  # main's base, its teacher pool included: its arms are main's kin
-            (out / part.name).mkdir(parents=True, exist_ok=True)
-            part_base, runs, notes = (experiment.plan_sweep(main_base, tok, part.arms, seeds, out / part.name,
-                                                            "", log) if part.arms else (main_base, [], []))
-        else:  # a fold whose arms are all borrowed (`--lomo-arms ''` where `none` is main's) plans nothing
-            part_base, runs, notes = (experiment.plan_sweep(base, tok, part.arms, seeds, out / part.name,
-                                                            part.lomo, log) if part.arms else (base, [], []))
+        # the bench plans on main's base, its teacher pool included (its arms are main's kin); a part
+        # whose arms are all borrowed (`--lomo-arms ''` where `none` is main's) plans nothing
+        (out / part.name).mkdir(parents=True, exist_ok=True)
+        part_base, lomo = (main_base, "") if part.name == INTERVENTIONS else (base, part.lomo)
+        part_base, runs, notes = (experiment.plan_sweep(part_base, tok, part.arms, seeds, out / part.name,
+                                                        lomo, log) if part.arms else (part_base, [], []))
         same = same_runs(runs)
         runs = [r for r in runs if r.arm not in same]
         dirs = {a: [r.dir for r in runs if r.arm == same.get(a, a)] for a in part.arms}
