@@ -167,6 +167,8 @@ def run_ours(spec: dict) -> dict:
     share = {"share_prefix": spec["share_prefix"]} if has_share else {}
     if spec.get("sample_dtype", "model") != "model":  # rollout.sample_dtype (newer still): only when set
         share["sample_dtype"] = spec["sample_dtype"]
+    if spec.get("cuda_graph"):  # rollout.cuda_graph (newer again): only when set
+        share["cuda_graph"] = True
     cfg = C.Config(
         model=C.ModelCfg(source="hf", path=spec["model_dir"], cache_dir=spec["cache_dir"], knob=spec["knob"],
                          rank=spec["rank"], grad_checkpointing=spec["ckpt"],

@@ -20,9 +20,14 @@ prepacked linear, or F.linear for exact sampling) at its row count, weights read
 prefill's bound: the most the sampling fraction could be with that kernel and no other cost (printed beside
 it with ours as a fraction of it; not in the RESULT line).
 The fractions are CPU-time ratios (process CPU time of this one-thread process, probes included), so a
-busy machine inflates probes and workloads alike; wall-clock fractions are printed beside them.
+busy machine inflates probes and workloads alike; wall-clock fractions are printed beside them. On CUDA
+(`--model.device cuda`) every time is wall-clock after a device synchronise (the host's CPU time says nothing
+of the GPU's), the rates are the device's (fp32 and bf16 matmul, HBM read), and the kernel alone is F.linear
+in the model's dtype.
 
     PYTHONPATH=src .venv/bin/python benchmarks/roofline.py [--rounds 3] [--new 96] [--preset smollm2-cpu]
+    ... --preset smollm2-gpu --model DIR --model.dtype bfloat16 --rollout.sample-dtype model --new 128
+    (any `--section.field VALUE` after the options above changes the preset, as every command's do)
 
 Needs `projected-grpo get-model smollm2` (the preset's model). Last line:
 `RESULT sample_roofline=<x> train_roofline=<y>` (medians over rounds).
@@ -47,28 +52,43 @@ from projected_grpo.sampling.packed import PackedLinear
 from projected_grpo.sampling.prefix import scoring
 from projected_grpo.sampling.sample import SAMPLE_DTYPES
 
+DEVICE = torch.device("cpu")  # set once in main from the config's model.device
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+
 
 def _timed(fn, reps: int = 1):
-    """(best process CPU seconds, best wall seconds, the last call's value) of fn() over reps calls."""
+    """(best process CPU seconds, best wall seconds, the last call's value) of fn() over reps calls. On CUDA
+    both are the wall-clock seconds after a synchronise: the host's CPU time is not the GPU's."""
     best, out = (float("inf"), float("inf")), None
     for _ in range(reps):
+        _sync()
         c, w = time.process_time(), time.perf_counter()
         out = fn()
-        best = min(best, (time.process_time() - c, time.perf_counter() - w))
+        _sync()
+        wall = time.perf_counter() - w
+        best = min(best, (wall if DEVICE.type == "cuda" else time.process_time() - c, wall))
     return (*best, out)
 
 
 def probe(rows: int, d_in: int, d_out: int) -> dict[str, float]:
     """Sustained rates: matmul GFLOP/s per dtype (CPU and wall) and read bandwidth GB/s."""
     out = {}
-    dtypes = [torch.float32] + ([torch.bfloat16] if torch.ops.mkldnn._is_mkldnn_bf16_supported() else [])
-    for dt in dtypes:
-        x, w = torch.randn(rows, d_in).to(dt), torch.randn(d_out, d_in).to(dt)
-        flops = 10 * 2 * rows * d_in * d_out
-        c, wall, _ = _timed(lambda x=x, w=w: [F.linear(x, w) for _ in range(10)], reps=5)
+    cuda = DEVICE.type == "cuda"
+    bf16 = cuda or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    reps = 100 if cuda else 10  # a GPU runs 10 of these in well under a millisecond
+    for dt in [torch.float32] + ([torch.bfloat16] if bf16 else []):
+        x, w = torch.randn(rows, d_in, device=DEVICE).to(dt), torch.randn(d_out, d_in, device=DEVICE).to(dt)
+        flops = reps * 2 * rows * d_in * d_out
+        F.linear(x, w)  # warm-up: the first call on a GPU picks its kernel
+        c, wall, _ = _timed(lambda x=x, w=w: [F.linear(x, w) for _ in range(reps)], reps=5)
         out[f"{dt}"] = flops / c / 1e9
         out[f"{dt} wall"] = flops / wall / 1e9
-    big = torch.ones(2**27)  # 512 MiB of fp32
+    big = torch.ones(2**30 if cuda else 2**27, device=DEVICE)  # 4 GiB (past any GPU cache) / 512 MiB of fp32
+    big.sum()
     c, wall, _ = _timed(lambda: big.sum(), reps=3)
     out["bw"], out["bw wall"] = big.numel() * 4 / c / 1e9, big.numel() * 4 / wall / 1e9
     return out
@@ -127,14 +147,14 @@ def decode_shapes(model) -> dict[tuple[int, int], int]:
 def kernel_step(model, rows: int, dtype: torch.dtype | None) -> float:
     """CPU seconds one decode step's projections take in the sampler's own matmul kernel at `rows` rows, and
     nothing else: oneDNN's prepacked linear in `dtype` (packed.PackedLinear), or F.linear in the model's
-    dtype for exact sampling (dtype None). Each shape is timed over copies of its weight that together
-    exceed the caches (256 MB), best of 3, as a decode step reads them: once each, from memory."""
+    dtype for exact sampling (dtype None; always on CUDA). Each shape is timed over copies of its weight that
+    together exceed the caches (256 MB), best of 3, as a decode step reads them: once each, from memory."""
     total, dt = 0.0, dtype or next(model.parameters()).dtype
     for (d_out, d_in), count in decode_shapes(model).items():
         copies = max(2, int(256e6 // (d_out * d_in * dt.itemsize)))
-        x = torch.randn(rows, d_in).to(dt)
-        if dtype is None:
-            ws = [torch.randn(d_out, d_in).to(dt) for _ in range(copies)]
+        x = torch.randn(rows, d_in, device=DEVICE).to(dt)
+        if dtype is None or DEVICE.type == "cuda":
+            ws = [torch.randn(d_out, d_in, device=DEVICE).to(dt) for _ in range(copies)]
             calls = [lambda w=w, x=x: F.linear(x, w) for w in ws]
         else:
             ws = [PackedLinear(torch.randn(d_out, d_in), None, dt, rows) for _ in range(copies)]
@@ -146,7 +166,8 @@ def kernel_step(model, rows: int, dtype: torch.dtype | None) -> float:
 
 
 def train_bound(model, knobs, segments: list[tuple[int, int]], head_tokens: int, rate: float) -> float:
-    """Seconds the training step's merge + forward + backward need at least at `rate` GFLOP/s (fp32).
+    """Seconds the training step's merge + forward + backward need at least at `rate` GFLOP/s (the frozen
+    weights' dtype; the knob math is fp32 whatever it is, counted at the same rate: a lower bound).
 
     segments: the forward's rows as (first position, positions): a shared prompt row (0, P), a completion
     on it (P, T - 1), a packed row (0, P + T - 1); head_tokens: completion tokens scored (lm_head rows)."""
@@ -173,9 +194,10 @@ def train_body(model, knobs, score, tok, prompt: torch.Tensor, comps: list[torch
     """run/train.py's micro-batch over one prompt (T_p,) and N completions (T_c,) of torch.long ids: pack,
     forward under the per-source capture, clipped surrogate with dr_grpo aggregation, backward (advantages
     +-1 so every row has a gradient)."""
-    seqs = score.pack([prompt] * len(comps), comps, tok.pad_token_id, student)
+    seqs = score.pack([prompt] * len(comps), comps, tok.pad_token_id, student).to(DEVICE)
+    student = student.to(DEVICE)  # as run/train.py moves each micro-batch to the model's device
     mask = seqs.completion_mask
-    adv = torch.tensor([1.0, -1.0] * (len(comps) // 2) + [1.0] * (len(comps) % 2))
+    adv = torch.tensor([1.0, -1.0] * (len(comps) // 2) + [1.0] * (len(comps) % 2), device=DEVICE)
     denoms = Denominators(n_seqs=len(comps), n_tokens=int(mask.sum()), const=float(mask.numel()))
     with knobs.capture(student) as cap:
         logp, _ = score.logprobs(model, seqs, temperature=1.0, with_entropy=True, capture=cap)
@@ -193,10 +215,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=0, help="new tokens per sample (0: the preset's)")
     ap.add_argument("--sample-dtype", default="",
                     help="override rollout.sample_dtype (model, float32, bfloat16)")
-    opt = ap.parse_args()
+    opt, overrides = ap.parse_known_args()
     argv = ["--preset", opt.preset, "--model", opt.model]
     argv += ["--rollout.sample-dtype", opt.sample_dtype] if opt.sample_dtype else []
-    cfg, _ = presets.parse(argv, prog="roofline")
+    cfg, _ = presets.parse(argv + overrides, prog="roofline")
+    global DEVICE
+    DEVICE = torch.device(cfg.model.device)
     torch.set_num_threads(cfg.run.threads or torch.get_num_threads())
     torch.manual_seed(0)
     model, tok = setup.load_model(cfg)
@@ -211,22 +235,29 @@ def main() -> None:
     T, N = opt.new or cfg.rollout.max_new_tokens, cfg.rollout.G_s
     dt = SAMPLE_DTYPES[cfg.rollout.sample_dtype]
     sample_rate_key = str(dt or next(model.parameters()).dtype)
+    train_rate_key = str(next(model.parameters()).dtype)
     nbytes = (dt or next(model.parameters()).dtype).itemsize
     score = scoring(model, cfg.rollout.share_prefix)
     student = torch.tensor([True] * N + [False])
+    graph = ", CUDA graph" if cfg.rollout.cuda_graph else ""
     print(f"model {cfg.model.path}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters; "
-          f"prompt {len(prompt)} tokens, {N} samples x {T} new tokens (sampling in {sample_rate_key}), "
-          f"+1 teacher row of {len(teacher)} tokens; {torch.get_num_threads()} thread(s)")
+          f"prompt {len(prompt)} tokens, {N} samples x {T} new tokens (sampling in {sample_rate_key}{graph}),"
+          " "
+          f"+1 teacher row of {len(teacher)} tokens; "
+          + (torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"{torch.get_num_threads()} "
+             "thread(s)"))
     rows = []
     for r in range(opt.rounds):
-        pr = probe(512, model.config.hidden_size, model.config.intermediate_size)
+        # 512 rows keep a CPU's matmul at its sustained rate; a GPU needs the training step's rows to fill it
+        rows_probe = 512 if DEVICE.type == "cpu" else (N + 1) * (len(prompt) + T)
+        pr = probe(rows_probe, model.config.hidden_size, model.config.intermediate_size)
         rate = pr.get(sample_rate_key, pr["torch.float32"])
 
         def sample(seed=r):
             with torch.no_grad(), knobs.merged():
                 return generate(model, [prompt], N, max_new_tokens=T, seed=seed, eos_id=[],
                                 pad_id=tok.pad_token_id, share_prefill=cfg.rollout.share_prefix,
-                                sample_dtype=dt)
+                                sample_dtype=dt, cuda_graph=cfg.rollout.cuda_graph)
 
         for m in knobs.modules.values():  # not timed here: the merge is the training side's (below)
             m.weight_eff()
@@ -249,8 +280,10 @@ def main() -> None:
         segments = ([(0, P), (0, P)] + [(P, len(c) - 1) for c in comps] if cfg.rollout.share_prefix
                     else [(0, P + len(c) - 1) for c in comps])  # prefix rows: one per source
         head = sum(len(c) for c in comps)
-        t_bound = train_bound(model, knobs, segments, head, pr["torch.float32"])
-        t_bound_wall = train_bound(model, knobs, segments, head, pr["torch.float32 wall"])
+        # a dtype without its own units here (bf16 on a CPU without them) is bounded at fp32's rate
+        t_rate = train_rate_key if train_rate_key in pr else "torch.float32"
+        t_bound = train_bound(model, knobs, segments, head, pr[t_rate])
+        t_bound_wall = train_bound(model, knobs, segments, head, pr[t_rate + " wall"])
         row = {"fp32": pr["torch.float32"], "bf16": pr.get("torch.bfloat16", 0.0), "bw": pr["bw"],
                "tok_s": N * T / s_wall, "tok_s_cpu": N * T / s_cpu, "bound_tok_s": N * T / s_bound,
                "sample": s_bound / s_cpu, "sample_wall": s_bound_wall / s_wall,

@@ -291,6 +291,8 @@ def main() -> None:
     ap.add_argument("--sample-dtype", default="model", choices=["model", "bfloat16"],
                     help="ours: rollout.sample_dtype (bfloat16: students sampled from bf16 weights, "
                     "sampling/packed.py; TRL samples in fp32 either way)")
+    ap.add_argument("--cuda-graph", type=int, default=0, help="ours: rollout.cuda_graph (1: each decode step "
+                    "replayed from a CUDA graph, sampling/graphed.py; --device cuda only)")
     ap.add_argument("--profile", action="store_true",
                     help="also one profiled run per trainer and cell: CPU time per step by phase")
     ap.add_argument("--losses", default="dr_grpo,grpo")
@@ -327,7 +329,7 @@ def main() -> None:
                 "B": opt.prompts, "G": opt.group, "max_new": opt.max_new, "lr": opt.lr, "steps": opt.steps,
                 "seed": 0, "threads": opt.threads, "ckpt": bool(opt.ckpt),
                 "share_prefix": bool(opt.share_prefix), "sample_dtype": opt.sample_dtype,
-                "device": opt.device, "dtype": opt.dtype}
+                "device": opt.device, "dtype": opt.dtype, "cuda_graph": bool(opt.cuda_graph)}
         cells = [(lo, float(b)) for lo in opt.losses.split(",") for b in opt.betas.split(",")]
         # each distinct trainer setting runs once per (rep, cell), shared by the pairings that use it
         sides: dict[str, dict] = {}

@@ -1,7 +1,9 @@
 """The CUDA path, for a machine with a GPU (`pytest -m gpu`; skipped elsewhere, conftest.py): a real training
 run in bf16 on the device (the cuDNN attention backend off, run/setup.load_model: docs/benchmarks.md "On a
 GPU"), and the lean decode step equal to the Hugging Face forward bit for bit there too. Each test also runs
-on the CPU (the `cpu` cases), so the test itself is checked on every machine."""
+on the CPU (the `cpu` cases), so the test itself is checked on every machine, except the run sampling from a
+CUDA graph (rollout.cuda_graph), which needs a GPU (its fixed-shape step is checked on the CPU in
+test_graphed.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,18 @@ def test_train_runs_in_bf16_on_the_device(device, model_dir, tmp_path):
     assert summary["arm"] == "erase"
     if device == "cuda":  # decode shapes change every token: cuDNN would build a graph for each
         assert not torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.gpu
+def test_train_with_cuda_graph_sampling(model_dir, tmp_path):
+    """rollout.cuda_graph through the whole loop (students and evals sampled from a replayed graph): the
+    policy's ratio to what was sampled stays 1 up to the fixed-shape step's rounding (sampling/graphed.py)."""
+    run = tmp_path / "run"
+    assert main(["train", "--preset", "smoke", "--model", str(model_dir), "--model.device", "cuda",
+                 "--rollout.cuda-graph", "--arm", "none", "--run.steps", "3", "--run.dir", str(run)]) == 0
+    rows = metrics.read_rows(run / metrics.METRICS_FILE)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["completion/mean_len"] > 0 and 0 <= r["sample/kl"] < 1e-6 for r in rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -140,6 +140,11 @@ class RolloutCfg:
     docs/benchmarks.md; for an fp32 model its log-probs within fp32 rounding, ~1e-6, of the model's). Both
     packed dtypes hold a copy of the weights while sampling (bf16: half the model's size; fp32: its size);
     training, knobs and merged weights stay in the model's dtype"""
+    cuda_graph: bool = False
+    """on a GPU, decode each token by replaying one CUDA graph of the whole step (sampling/graphed.py): the
+    step is launch-bound there (docs/benchmarks.md, "On a GPU"); needs model.device cuda and sample_dtype
+    `model`; its logits round differently from the model's forward in the last bits (sample/* logs the
+    ratio), so it is off by default"""
 
     def __post_init__(self) -> None:
         _check(self)
@@ -324,6 +329,12 @@ class Config:
                             f"{self.run.checkpoint_every}) to be a multiple of it: a run resumed from a "
                             "checkpoint re-scores the held-out pairs at its first step, as the unbroken run "
                             "did")
+        device, dtype = self.model.device, self.rollout.sample_dtype
+        off = [f"{k} is {v!r}" for k, v, ok in (("model.device", device, device.startswith("cuda")),
+                                                ("rollout.sample_dtype", dtype, dtype == "model")) if not ok]
+        if self.rollout.cuda_graph and off:
+            raise UserError("config: rollout.cuda_graph replays the model's own weights on a GPU "
+                            f"(model.device cuda, rollout.sample_dtype 'model'), but {' and '.join(off)}")
         if self.dpo.before and self.model.init_knobs:
             raise UserError("config: dpo.before starts the knobs from the DPO pass; model.init_knobs="
                             f"{self.model.init_knobs!r} would be a second start: set one of them")

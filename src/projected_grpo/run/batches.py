@@ -143,7 +143,8 @@ def sample_groups(cfg: C.Config, model, tokenizer, env, problems: Sequence,
         got = sample_and_grade(model, tokenizer, env, [problems[b] for b in rows], prompt_ids, n,
                                max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                top_p=cfg.rollout.top_p, seed=seed, clock=clock,
-                               share_prefill=cfg.rollout.share_prefix, sample_dtype=cfg.rollout.sample_dtype)
+                               share_prefill=cfg.rollout.share_prefix, sample_dtype=cfg.rollout.sample_dtype,
+                               cuda_graph=cfg.rollout.cuda_graph)
         for j, b in enumerate(rows):
             out[b] = got[j * n:(j + 1) * n]
     return out
@@ -217,5 +218,5 @@ def eval_grades(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence,
     with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
         got = sample_and_grade(model, tokenizer, env, problems, prompt_ids, 1,
                                max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, seed=0,
-                               sample_dtype=cfg.rollout.sample_dtype)
+                               sample_dtype=cfg.rollout.sample_dtype, cuda_graph=cfg.rollout.cuda_graph)
     return [s.grade for s in got]

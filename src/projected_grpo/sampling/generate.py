@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from projected_grpo.sampling.decode_step import decode_step
+from projected_grpo.sampling.graphed import graphed_step
 from projected_grpo.sampling.kv_cache import KV_CACHES, cache_of, with_cache
 from projected_grpo.sampling.pack import Ids, SeqBatch, as_ids, left_pad, pack, position_ids_from_mask
 from projected_grpo.sampling.packed import PackedLM
@@ -64,7 +65,7 @@ def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens
              temperature: float = 1.0, top_p: float = 1.0, seed: int | Sequence[int],
              eos_id: int | Sequence[int], pad_id: int, kv_cache: str = "preallocated",
              share_prefill: bool = False, lean: bool = True,
-             sample_dtype: torch.dtype | None = None) -> Rollout:
+             sample_dtype: torch.dtype | None = None, cuda_graph: bool = False) -> Rollout:
     """Sample n_samples completions for every prompt in ONE batched KV-cache decode.
 
     Prompts are left-padded with an attention mask and explicit position ids, so a row's logits do
@@ -89,6 +90,10 @@ def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens
     memory traffic per token, the logits of the model cast to bf16 (not the model's own: the log-probs
     returned are that bf16 model's); torch.float32 the same with fp32 copies laid out for oneDNN (the
     model's logits up to fp32 rounding, not bit for bit); kv_cache and lean then do not apply.
+    cuda_graph: decode with graphed.graphed_step (the model on a GPU, sample_dtype None, the preallocated
+    cache, a model the lean step supports): one graph launch per token instead of ~25 kernels per layer; its
+    logits round differently from the HF forward's in the last bits (graphed.py says why); lean then does not
+    apply.
     prompt_ids: B prompts, each (T_p,) torch.long CPU (or a sequence of ints, made a tensor here).
     Returns a Rollout with N = B * n_samples rows.
     """
@@ -105,6 +110,9 @@ def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens
                          "(or [] to never stop early) and a pad id (set tokenizer.pad_token, e.g. to eos)")
     if kv_cache not in KV_CACHES:
         raise ValueError(f"generate: unknown kv_cache {kv_cache!r}; choose one of {sorted(KV_CACHES)}")
+    if cuda_graph and (sample_dtype is not None or kv_cache != "preallocated"):
+        raise ValueError("generate: cuda_graph decodes the model's own weights in the preallocated KV cache; "
+                         f"got sample_dtype={sample_dtype}, kv_cache={kv_cache!r}")
     pick = SAMPLERS["greedy" if temperature == 0 else "sample"]
     device = next(model.parameters()).device
     eos = torch.as_tensor(eos_id, dtype=torch.long, device=device).reshape(-1)  # int or list -> (E,)
@@ -134,7 +142,7 @@ def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens
         first = torch.arange(0, N, n_samples, device=device) if share_prefill and n_samples > 1 else None
         start = _start_packed if sample_dtype is not None else _start_model
         logits, step = start(model, ids, mask, pos, first, n_samples, kv_cache=kv_cache, lean=lean,
-                             dtype=sample_dtype)
+                             dtype=sample_dtype, cuda_graph=cuda_graph)
         for t in range(max_new_tokens):
             tok, lp = draw(pick, logits.float(), temperature, top_p, gens)
             tok = tok.masked_fill(done, pad_id)  # finished rows keep decoding pad; their outputs are dropped
@@ -157,8 +165,9 @@ def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens
 # (M,) the rows to prefill with share_prefill (else None), n_samples, **options) -> (logits (N, V) of the
 # first new token, step(tok (N,), pos (N, 1), n) -> logits (N, V) of the next).
 
-def _start_model(model, ids, mask, pos, first, n_samples, *, kv_cache, lean, dtype):
-    """The model's own forward: the HF prefill into the kv_cache's cache, then decode_step's (lean or HF)."""
+def _start_model(model, ids, mask, pos, first, n_samples, *, kv_cache, lean, dtype, cuda_graph):
+    """The model's own forward: the HF prefill into the kv_cache's cache, then decode_step's (lean or HF) or,
+    with cuda_graph, graphed.graphed_step."""
     P = ids.shape[1]
     cache = KV_CACHES[kv_cache](model, mask.shape[1])
     keep = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
@@ -170,10 +179,12 @@ def _start_model(model, ids, mask, pos, first, n_samples, *, kv_cache, lean, dty
         to_rows = torch.arange(len(first), device=ids.device).repeat_interleave(n_samples)  # (N,)
         cache_of(out).reorder_cache(to_rows)
         logits = logits.index_select(0, to_rows)
+    if cuda_graph:
+        return logits, graphed_step(model, cache_of(out), mask)
     return logits, decode_step(model, cache_of(out), mask, keep, lean)  # chosen once: lean or HF
 
 
-def _start_packed(model, ids, mask, pos, first, n_samples, *, kv_cache, lean, dtype):
+def _start_packed(model, ids, mask, pos, first, n_samples, *, kv_cache, lean, dtype, cuda_graph):
     """packed.PackedLM in `dtype`: its own prefill and KV cache (kv_cache and lean do not apply)."""
     P = ids.shape[1]
     lm = PackedLM(model, rows=ids.shape[0], dtype=dtype)
