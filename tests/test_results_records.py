@@ -2,7 +2,8 @@
 
 findings 8.10's rule, recomputed from the records of SmolLM2's Tier 1c/1d runs: per seed,
 d = Δ hack/deploy(none) − Δ hack/deploy(gt_reward), Δ = mean of the last 10 steps − mean of the first 10;
-and Tier 2 (findings 8.16, 8.17) from its records; the coding bench's rerun (findings 9.16) from its records.
+and Tier 2 (findings 8.16, 8.17) from its records; the coding bench's rerun (findings 9.16, 9.18) from its
+records.
 """
 
 from __future__ import annotations
@@ -157,3 +158,29 @@ def test_coding_bench_rerun_as_findings_9_16_states_it():
     # screen:degraded70's solve 0.600 against gt_reward's 0.779: -17.9 points, outside "kept" (within 10)
     gap = 100 * (bench_means("screen:degraded70")[1] - bench_means("gt_reward")[1])
     assert gap == pytest.approx(-17.9, abs=0.05) and gap < -10
+
+
+def test_coding_bench_five_seeds_as_findings_9_18_states_it():
+    """Findings 9.18's table (seeds 0-4, every run on the AVX2 machine), the 70%-accurate screen's gap, and
+    the goal distance of `screen:direction` (hack and solve against gt_reward's)."""
+    table = {"none": (0.895, 0.020, 0.876), "gt_reward": (0.007, 0.771, 0.867),
+             "penalty:ground_truth": (0.006, 0.770, 0.879), "penalty:detector": (0.019, 0.738, 0.849),
+             "screen:ground_truth": (0.037, 0.760, 0.894), "screen:degraded90": (0.037, 0.738, 0.872),
+             "screen:degraded70": (0.140, 0.616, 0.854), "screen:detector": (0.046, 0.736, 0.866),
+             "advantage:detector": (0.040, 0.761, 0.880), "advantage:probe": (0.041, 0.745, 0.865),
+             "screen:direction": (0.130, 0.171, 0.508), "screen:direction@random": (0.280, 0.125, 0.404)}
+    seeds = (0, 1, 2, 3, 4)
+    for arm, want in table.items():
+        # to the printed digit: a mean on a half (gt_reward's 0.8675) prints either way
+        assert bench_means(arm, seeds) == pytest.approx(want, abs=5e-4 + 1e-9), arm
+        for s in seeds:  # findings 9.18: one kind of machine for all 60
+            machine = json.loads((bench_folder(arm, s) / "machine.json").read_text())
+            assert machine["torch_cpu_capability"] == "AVX2" and not machine["avx512f"], (arm, s)
+    gt = bench_means("gt_reward", seeds)
+    # screen:degraded70's solve 0.616 - 0.771 = -15.5 points: outside "kept" (within 10)
+    assert 100 * (bench_means("screen:degraded70", seeds)[1] - gt[1]) == pytest.approx(-15.5, abs=0.05 + 1e-9)
+    # the goal: hack within 5 points of gt_reward's (0.130 - 0.007 = +12.2), solve within 10 (0.171 - 0.771)
+    hack, solve, _ = bench_means("screen:direction", seeds)
+    printed = dict(abs=0.05 + 1e-9)  # to the printed digit (hack's is 12.25, printed 12.2)
+    assert 100 * (hack - gt[0]) == pytest.approx(12.2, **printed)
+    assert 100 * (solve - gt[1]) == pytest.approx(-60.0, **printed)
