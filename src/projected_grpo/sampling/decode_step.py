@@ -150,6 +150,17 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def qkv_rope(h: Tensor, q_proj: nn.Module, k_proj: nn.Module, v_proj: nn.Module, D: int, cos: Tensor,
+             sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """One token's attention inputs as the HF attention forward makes them: h (N, 1, E) normed, cos / sin
+    (N, 1, 1, D) -> q (N, H, 1, D) and k, v (N, Hkv, 1, D), the rotary embedding applied to q and k."""
+    N = h.shape[0]
+    q = q_proj(h).view(N, 1, -1, D).transpose(1, 2)
+    k = k_proj(h).view(N, 1, -1, D).transpose(1, 2)
+    v = v_proj(h).view(N, 1, -1, D).transpose(1, 2)
+    return (q * cos) + (_rotate_half(q) * sin), (k * cos) + (_rotate_half(k) * sin), v
+
+
 def _sdpa_attend(attn: nn.Module, mask: Tensor | None, k_buf: Tensor, v_buf: Tensor):
     """integrations/sdpa_attention.sdpa_attention_forward for q_len 1, its branches taken once here.
 
@@ -228,19 +239,13 @@ def lean_step(model, past: DynamicCache, mask: Tensor) -> Step | None:
                      attend, layer.post_attention_layernorm, m.gate_proj, m.up_proj, m.down_proj, m.act_fn))
 
     def step(tok: Tensor, pos: Tensor, n: int) -> Tensor:
-        N = tok.shape[0]
         # (N, 1, 1, n), contiguous as HF's: on CUDA a strided mask can steer sdpa to another kernel
         m = None if full_mask is None else full_mask[..., :n].contiguous()
         x = embed(tok[:, None])  # (N, 1, E)
         cos, sin = rotary(x, pos)  # (N, 1, D): the model's own module, any rope type
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, 1, D), as apply_rotary_pos_emb unsqueezes
         for ln1, q_proj, k_proj, v_proj, o_proj, D, update, attend, ln2, gate, up, down, act in plan:
-            h = _rms_norm(x, ln1)
-            q = q_proj(h).view(N, 1, -1, D).transpose(1, 2)  # (N, H, 1, D)
-            k = k_proj(h).view(N, 1, -1, D).transpose(1, 2)  # (N, Hkv, 1, D)
-            v = v_proj(h).view(N, 1, -1, D).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            q, k, v = qkv_rope(_rms_norm(x, ln1), q_proj, k_proj, v_proj, D, cos, sin)
             k, v = update(k, v)  # (N, Hkv, n, D): views of the preallocated buffers
             x = x + o_proj(attend(q, k, v, m))
             h = _rms_norm(x, ln2)

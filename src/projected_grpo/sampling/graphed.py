@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from projected_grpo.sampling.decode_step import Step, _rms_norm, _rotate_half, why_not_lean
+from projected_grpo.sampling.decode_step import Step, _rms_norm, qkv_rope, why_not_lean
 
 
 def static_step(model, past, mask: Tensor):
@@ -59,12 +59,7 @@ def static_step(model, past, mask: Tensor):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (N, 1, 1, D)
         for (ln1, q_proj, k_proj, v_proj, o_proj, D, Hkv, groups, scale, k_buf, v_buf, ln2, gate, up, down,
              act) in plan:
-            h = _rms_norm(x, ln1)
-            q = q_proj(h).view(N, 1, -1, D).transpose(1, 2)  # (N, H, 1, D)
-            k = k_proj(h).view(N, 1, -1, D).transpose(1, 2)  # (N, Hkv, 1, D)
-            v = v_proj(h).view(N, 1, -1, D).transpose(1, 2)
-            q = (q * cos) + (_rotate_half(q) * sin)
-            k = (k * cos) + (_rotate_half(k) * sin)
+            q, k, v = qkv_rope(_rms_norm(x, ln1), q_proj, k_proj, v_proj, D, cos, sin)  # (N, H|Hkv, 1, D)
             k_buf.index_copy_(2, at, k)
             v_buf.index_copy_(2, at, v)
             # q's heads as (Hkv, groups) rows against their shared keys (repeat_kv's order: head
