@@ -101,11 +101,15 @@ BENCH = TIER1.parents[1] / "coding-bench"  # findings 9.15: the coding bench's r
 
 def bench_arm(cfg: dict) -> str:
     """The study's name of the arm a coding-bench record's config trains (docs/interventions.md)."""
-    if cfg["monitor"]["intervention"] == "none":
+    m, twin = cfg["monitor"], ("@random" if cfg["proj"]["control"] == "random" else "")
+    if cfg["proj"]["arm"] != "none":  # a projection arm (erase_bounded) and its random-V twin
+        return cfg["proj"]["arm"] + twin
+    if m["intervention"] == "none":
         return {"grader": "none", "oracle": "gt_reward"}[cfg["env"]["reward_from"]]
-    m = cfg["monitor"]
+    if m["kind"] == "none":  # an intervention with no monitor (inoculation)
+        return m["intervention"]
     kind = f"degraded{round(100 * m['accuracy'])}" if m["kind"] == "degraded" else m["kind"]
-    return f"{m['intervention']}:{kind}" + ("@random" if cfg["proj"]["control"] == "random" else "")
+    return f"{m['intervention']}:{kind}" + twin
 
 
 def bench_folder(arm: str, seed: int) -> pathlib.Path:
