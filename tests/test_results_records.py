@@ -188,3 +188,17 @@ def test_coding_bench_five_seeds_as_findings_9_18_states_it():
     printed = dict(abs=0.05 + 1e-9)  # to the printed digit (hack's is 12.25, printed 12.2)
     assert 100 * (hack - gt[0]) == pytest.approx(12.2, **printed)
     assert 100 * (solve - gt[1]) == pytest.approx(-60.0, **printed)
+
+
+def test_coding_bench_rerun_of_the_other_arms_as_findings_9_19_states_it():
+    """Findings 9.19's rerun column (seeds 0-2) and the collapse: two seeds of each inaccurate penalty end
+    with hack, solve and well-formed all 0."""
+    table = {"penalty:degraded90": (0.015, 0.502, 0.654), "penalty:degraded70": (0.019, 0.135, 0.229),
+             "penalty:probe": (0.012, 0.150, 0.235), "penalty:direction": (0.281, 0.042, 0.294),
+             "screen:probe": (0.048, 0.638, 0.858), "advantage:direction": (0.871, 0.019, 0.798),
+             "inoculation": (0.879, 0.002, 0.806)}
+    for arm, want in table.items():
+        assert bench_means(arm) == pytest.approx(want, abs=5e-4 + 1e-9), arm
+    for arm in ("penalty:degraded70", "penalty:probe", "penalty:direction"):
+        collapsed = [s for s in (0, 1, 2) if bench_means(arm, (s,)) == [0.0, 0.0, 0.0]]
+        assert len(collapsed) == 2, arm
