@@ -196,7 +196,7 @@ def test_coding_bench_rerun_of_the_other_arms_as_findings_9_19_states_it():
     table = {"penalty:degraded90": (0.015, 0.502, 0.654), "penalty:degraded70": (0.019, 0.135, 0.229),
              "penalty:probe": (0.012, 0.150, 0.235), "penalty:direction": (0.281, 0.042, 0.294),
              "screen:probe": (0.048, 0.638, 0.858), "advantage:direction": (0.871, 0.019, 0.798),
-             "inoculation": (0.879, 0.002, 0.806)}
+             "inoculation": (0.879, 0.002, 0.806), "erase_bounded": (0.875, 0.006, 0.808)}
     for arm, want in table.items():
         assert bench_means(arm) == pytest.approx(want, abs=5e-4 + 1e-9), arm
     for arm in ("penalty:degraded70", "penalty:probe", "penalty:direction"):
