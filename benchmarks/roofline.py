@@ -234,15 +234,14 @@ def main() -> None:
     teacher = as_ids(encode_completion(tok, env.templates(problem, "hack")[0]))
     T, N = opt.new or cfg.rollout.max_new_tokens, cfg.rollout.G_s
     dt = SAMPLE_DTYPES[cfg.rollout.sample_dtype]
-    sample_rate_key = str(dt or next(model.parameters()).dtype)
-    train_rate_key = str(next(model.parameters()).dtype)
-    nbytes = (dt or next(model.parameters()).dtype).itemsize
+    model_dt = next(model.parameters()).dtype
+    sample_dt = dt or model_dt
+    nbytes = sample_dt.itemsize
     score = scoring(model, cfg.rollout.share_prefix)
     student = torch.tensor([True] * N + [False])
     graph = ", CUDA graph" if cfg.rollout.cuda_graph else ""
     print(f"model {cfg.model.path}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters; "
-          f"prompt {len(prompt)} tokens, {N} samples x {T} new tokens (sampling in {sample_rate_key}{graph}),"
-          " "
+          f"prompt {len(prompt)} tokens, {N} samples x {T} new tokens (sampling in {sample_dt}{graph}), "
           f"+1 teacher row of {len(teacher)} tokens; "
           + (torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"{torch.get_num_threads()} "
              "thread(s)"))
@@ -251,7 +250,9 @@ def main() -> None:
         # 512 rows keep a CPU's matmul at its sustained rate; a GPU needs the training step's rows to fill it
         rows_probe = 512 if DEVICE.type == "cpu" else (N + 1) * (len(prompt) + T)
         pr = probe(rows_probe, model.config.hidden_size, model.config.intermediate_size)
-        rate = pr.get(sample_rate_key, pr["torch.float32"])
+        # a dtype without its own units here (bf16 on a CPU without them) is bounded at fp32's rate
+        s_key, t_key = (str(d) if str(d) in pr else "torch.float32" for d in (sample_dt, model_dt))
+        rate = pr[s_key]
 
         def sample(seed=r):
             with torch.no_grad(), knobs.merged():
@@ -264,7 +265,7 @@ def main() -> None:
         s_cpu, s_wall, ro = _timed(sample)
         comps = ro.completion_ids + [teacher]
         s_bound = sample_bound(model, len(prompt), N, T, rate, pr["bw"], nbytes)
-        s_bound_wall = sample_bound(model, len(prompt), N, T, pr.get(sample_rate_key + " wall", rate),
+        s_bound_wall = sample_bound(model, len(prompt), N, T, pr[s_key + " wall"],
                                     pr["bw wall"], nbytes)
         # the sampler's own matmul kernel, alone: what the fraction could be with no other cost
         s_ceiling = prefill_bound(model, len(prompt), rate) + (T - 1) * kernel_step(model, N, dt)
@@ -280,10 +281,8 @@ def main() -> None:
         segments = ([(0, P), (0, P)] + [(P, len(c) - 1) for c in comps] if cfg.rollout.share_prefix
                     else [(0, P + len(c) - 1) for c in comps])  # prefix rows: one per source
         head = sum(len(c) for c in comps)
-        # a dtype without its own units here (bf16 on a CPU without them) is bounded at fp32's rate
-        t_rate = train_rate_key if train_rate_key in pr else "torch.float32"
-        t_bound = train_bound(model, knobs, segments, head, pr[t_rate])
-        t_bound_wall = train_bound(model, knobs, segments, head, pr[t_rate + " wall"])
+        t_bound = train_bound(model, knobs, segments, head, pr[t_key])
+        t_bound_wall = train_bound(model, knobs, segments, head, pr[t_key + " wall"])
         row = {"fp32": pr["torch.float32"], "bf16": pr.get("torch.bfloat16", 0.0), "bw": pr["bw"],
                "tok_s": N * T / s_wall, "tok_s_cpu": N * T / s_cpu, "bound_tok_s": N * T / s_bound,
                "sample": s_bound / s_cpu, "sample_wall": s_bound_wall / s_wall,
