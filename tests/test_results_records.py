@@ -149,6 +149,13 @@ def bench_means(arm: str, seeds: tuple[int, ...] = (0, 1, 2)) -> list[float]:
     return [statistics.fmean(col) for col in zip(*runs)]
 
 
+def assert_as_printed(table: dict[str, tuple[float, float, float]], seeds: tuple[int, ...]) -> None:
+    """Each arm's hack / solve / well-formed over `seeds` equals the docs' three decimals (to half a unit of
+    the last: a mean on a half, e.g. 0.8675, prints either way)."""
+    for arm, want in table.items():
+        assert bench_means(arm, seeds) == pytest.approx(want, abs=5e-4 + 1e-9), arm
+
+
 def test_coding_bench_rerun_as_findings_9_16_states_it():
     """The rerun's column of findings 9.16's table (seeds 0-2), and the one verdict that moved."""
     table = {"none": (0.908, 0.010, 0.888), "gt_reward": (0.004, 0.779, 0.885),
@@ -174,9 +181,8 @@ def test_coding_bench_five_seeds_as_findings_9_18_states_it():
              "advantage:detector": (0.040, 0.761, 0.880), "advantage:probe": (0.041, 0.745, 0.865),
              "screen:direction": (0.130, 0.171, 0.508), "screen:direction@random": (0.280, 0.125, 0.404)}
     seeds = (0, 1, 2, 3, 4)
-    for arm, want in table.items():
-        # to the printed digit: a mean on a half (gt_reward's 0.8675) prints either way
-        assert bench_means(arm, seeds) == pytest.approx(want, abs=5e-4 + 1e-9), arm
+    assert_as_printed(table, seeds)
+    for arm in table:
         for s in seeds:  # findings 9.18: one kind of machine for all 60
             machine = json.loads((bench_folder(arm, s) / "machine.json").read_text())
             assert machine["torch_cpu_capability"] == "AVX2" and not machine["avx512f"], (arm, s)
@@ -197,8 +203,7 @@ def test_coding_bench_rerun_of_the_other_arms_as_findings_9_19_states_it():
              "penalty:probe": (0.012, 0.150, 0.235), "penalty:direction": (0.281, 0.042, 0.294),
              "screen:probe": (0.048, 0.638, 0.858), "advantage:direction": (0.871, 0.019, 0.798),
              "inoculation": (0.879, 0.002, 0.806), "erase_bounded": (0.875, 0.006, 0.808)}
-    for arm, want in table.items():
-        assert bench_means(arm) == pytest.approx(want, abs=5e-4 + 1e-9), arm
+    assert_as_printed(table, (0, 1, 2))
     for arm in ("penalty:degraded70", "penalty:probe", "penalty:direction"):
         collapsed = [s for s in (0, 1, 2) if bench_means(arm, (s,)) == [0.0, 0.0, 0.0]]
         assert len(collapsed) == 2, arm

@@ -39,14 +39,13 @@ def static_step(model, past, mask: Tensor):
     keep = mask.bool()  # (N, C)
     cols = torch.arange(C, device=mask.device)  # (C,)
     embed, rotary, final_norm, lm_head = body.embed_tokens, body.rotary_emb, body.norm, model.lm_head
-    plan = []
+    Hkv, plan = config.num_key_value_heads, []
     for layer, cache in zip(body.layers[:config.num_hidden_layers], past.layers):
         # the columns not yet written hold whatever new_empty left: zero them, since a masked column's weight
         # is exactly 0 but 0 * NaN is not
         cache._k[:, :, cache._n:].zero_()
         cache._v[:, :, cache._n:].zero_()
         a, m = layer.self_attn, layer.mlp
-        Hkv = config.num_key_value_heads
         plan.append((layer.input_layernorm, a.q_proj, a.k_proj, a.v_proj, a.o_proj, a.head_dim, Hkv,
                      a.num_key_value_groups, a.scaling, cache._k, cache._v, layer.post_attention_layernorm,
                      m.gate_proj, m.up_proj, m.down_proj, m.act_fn))
