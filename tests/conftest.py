@@ -31,6 +31,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="session")
+def smollm2_cache(tmp_path_factory) -> pathlib.Path:
+    """One cache root for the session's SmolLM2 runs (set as $PROJECTED_GRPO_CACHE): SmolLM2's SVDs, and
+    V_hack where two runs' configs ask for the same one, computed by the first test that needs them and read
+    by the rest (recomputing them was most of each test's time). None of the user's cache."""
+    return tmp_path_factory.mktemp("smollm2-cache")
+
+
 @pytest.fixture
 def smollm2_dir() -> pathlib.Path:
     """SmolLM2-135M-Instruct as `projected-grpo get-model smollm2` converted it into the user's cache (or

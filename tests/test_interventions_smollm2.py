@@ -26,8 +26,8 @@ from projected_grpo.study import arms
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("arm", ["screen:direction", "advantage:probe", "inoculation", "penalty:degraded90",
                                  "screen:detector", "erase_bounded"])
-def test_a_bench_arm_trains_smollm2(smollm2_dir, tmp_path, monkeypatch, arm):
-    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))  # V_hack and SVDs: this test's own
+def test_a_bench_arm_trains_smollm2(smollm2_dir, smollm2_cache, tmp_path, monkeypatch, arm):
+    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(smollm2_cache))
     base = C.replace(presets.SMOLLM2_MATH_CPU, model={"path": str(smollm2_dir)},
                      env={"modes": ("contains",), "max_problems": 16},
                      rollout={"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 16},

@@ -297,10 +297,19 @@ def _train_pids(plans: pathlib.Path) -> list[int]:
     return out
 
 
-def _wait_for(cond, what: str, timeout: float = 240.0) -> None:
+def _wait_for(cond, what: str, timeout: float = 240.0, sweep: subprocess.Popen | None = None,
+              err: pathlib.Path | None = None, out: pathlib.Path | None = None) -> None:
+    """Poll `cond` until it holds; fail with the sweep's stderr (`err`, a file) and the logs of its runs
+    (under `out`) when the sweep exits first or `timeout` seconds pass: a failure on CI says why."""
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        exited = sweep is not None and sweep.poll() is not None
+        if exited or time.monotonic() > deadline:
+            why = f"the sweep exited ({sweep.returncode})" if exited else f"timed out after {timeout:.0f} s"
+            logs = "".join(f"\n--- {p}:\n{p.read_text(errors='replace')[-1500:]}"
+                           for p in sorted(out.glob(f"*/{launch.LOG_FILE}"))) if out else ""
+            stderr = err.read_text(errors="replace")[-3000:] if err and err.is_file() else ""
+            pytest.fail(f"waiting for {what}: {why}\n--- sweep stderr:\n{stderr}{logs}")
         time.sleep(0.05)
 
 
@@ -311,16 +320,21 @@ def _last_ckpt(run_dir: pathlib.Path) -> int:
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc; PR_SET_PDEATHSIG is Linux's")
 def test_killing_a_sweep_stops_every_run_and_the_same_command_resumes(tmp_path):
-    out, steps = tmp_path / "sweep", 40  # 40: the leader cannot finish between a checkpoint and the SIGTERM
+    out, steps = tmp_path / "sweep", 200  # 200 (~20 s at 0.1 s a step): the leader cannot finish before the
+    # other run's first checkpoint, nor between a checkpoint and the SIGTERM
     cmd = [sys.executable, "-m", "projected_grpo.cli", "experiment", "--preset", "smoke", "--arms",
            "none,erase", "--jobs", "2", "--out", str(out), "--run.steps", str(steps),
            "--run.checkpoint-every", "2",
            *SMALL[2:]]
-    started = lambda: all((out / f"{a}-s0" / "ckpt-000002").is_dir() for a in ("none", "erase"))
+    # any checkpoint, not ckpt-000002: a fast run prunes its first ones (checkpoint.py keeps the newest 3)
+    # before a slower-starting one writes its own
+    started = lambda: all(_last_ckpt(out / f"{a}-s0") >= 2 for a in ("none", "erase"))
 
     # SIGKILL: the sweep cannot clean up, so its runs must die with it (the kernel's SIGTERM: PARENT_ENV)
-    sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _wait_for(started, "both runs' first checkpoint")
+    err_file = tmp_path / "sweep-stderr.txt"  # read only if the wait fails
+    with open(err_file, "w") as err_out:
+        sweep = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_out)
+    _wait_for(started, "both runs' first checkpoint", sweep=sweep, err=err_file, out=out)
     assert len(_train_pids(out / "plans")) == 2
     sweep.kill()
     sweep.wait()

@@ -18,11 +18,11 @@ from projected_grpo.run import metrics
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_smollm2_grpo_steps_on_gsm8k(shared_data, smollm2_dir, tmp_path, monkeypatch):
+def test_smollm2_grpo_steps_on_gsm8k(shared_data, smollm2_dir, smollm2_cache, tmp_path, monkeypatch):
     from projected_grpo.cli import main
 
     model_dir = smollm2_dir
-    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))  # SVDs and V_hack: this test's own
+    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(smollm2_cache))
     run_dir = tmp_path / "run"
     argv = ["train", "--model", str(model_dir), "--run-dir", str(run_dir),
             "--env.name", "maths", "--env.problems", "gsm8k", "--env.data-dir", str(shared_data / "gsm8k"),

@@ -125,10 +125,10 @@ def test_heldout_scores_are_the_direction_monitors_raw_scores(smoke):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_smollm2_small_slice_end_to_end(smollm2_dir, tmp_path, monkeypatch, capsys):
+def test_smollm2_small_slice_end_to_end(smollm2_dir, smollm2_cache, tmp_path, monkeypatch, capsys):
     # SmolLM2 on arithmetic under the contains verifier (no data files needed): 8 problems x 3 pairs, 2
     # prompts held out; 4 probe problems
-    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))  # SVDs: this test's own
+    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(smollm2_cache))
     out = tmp_path / "tier0"
     assert main(["separation", "--preset", "smollm2-cpu", "--model", str(smollm2_dir), "--env.name", "maths",
                  "--env.modes", "contains", "--env.max-problems", "8", "--proj.pairs-per-problem", "3",

@@ -20,9 +20,10 @@ from projected_grpo.store import read_jsonl
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_smollm2_teacher_pool_v_hack_and_two_arms_end_to_end(smollm2_dir, tmp_path, monkeypatch, capsys):
+def test_smollm2_teacher_pool_v_hack_and_two_arms_end_to_end(smollm2_dir, smollm2_cache, tmp_path,
+                                                              monkeypatch, capsys):
     model_dir = smollm2_dir
-    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(tmp_path / "cache"))  # SVDs and V_hack: this test's own
+    monkeypatch.setenv("PROJECTED_GRPO_CACHE", str(smollm2_cache))
     common = ["--preset", "smollm2-cpu", "--model", str(model_dir), "--rollout.max-new-tokens", "64"]
 
     t0 = time.perf_counter()
