@@ -2,7 +2,7 @@
 
 findings 8.10's rule, recomputed from the records of SmolLM2's Tier 1c/1d runs: per seed,
 d = Δ hack/deploy(none) − Δ hack/deploy(gt_reward), Δ = mean of the last 10 steps − mean of the first 10;
-and Tier 2 (findings 8.16, 8.17) from its records; the coding bench's rerun (findings 9.16, 9.18) from its
+and Tier 2 (findings 8.16, 8.17) from its records; the coding bench (findings 9.16, 9.18, 9.19) from its
 records.
 """
 
@@ -197,13 +197,24 @@ def test_coding_bench_five_seeds_as_findings_9_18_states_it():
 
 
 def test_coding_bench_rerun_of_the_other_arms_as_findings_9_19_states_it():
-    """Findings 9.19's rerun column (seeds 0-2) and the collapse: two seeds of each inaccurate penalty end
-    with hack, solve and well-formed all 0."""
+    """Findings 9.19's rerun column (seeds 0-2), its random-V twins and each direction arm's hack against
+    its twin, and the collapse: two seeds of each inaccurate penalty end with hack, solve and well-formed
+    all 0."""
     table = {"penalty:degraded90": (0.015, 0.502, 0.654), "penalty:degraded70": (0.019, 0.135, 0.229),
              "penalty:probe": (0.012, 0.150, 0.235), "penalty:direction": (0.281, 0.042, 0.294),
              "screen:probe": (0.048, 0.638, 0.858), "advantage:direction": (0.871, 0.019, 0.798),
-             "inoculation": (0.879, 0.002, 0.806), "erase_bounded": (0.875, 0.006, 0.808)}
+             "inoculation": (0.879, 0.002, 0.806), "erase_bounded": (0.875, 0.006, 0.808),
+             "penalty:direction@random": (0.515, 0.054, 0.325),
+             "advantage:direction@random": (0.900, 0.004, 0.802),
+             "erase_bounded@random": (0.894, 0.000, 0.798)}
     assert_as_printed(table, (0, 1, 2))
+    # hack points against the twin (the paired mean of per-seed differences = the difference of the means)
+    against_twin = {"penalty:direction": -23.3, "screen:direction": -28.8, "advantage:direction": -2.9,
+                    "erase_bounded": -1.9}
+    for arm, points in against_twin.items():
+        gap = bench_means(arm)[0] - bench_means(arm + "@random")[0]
+        assert 100 * gap == pytest.approx(points, abs=0.05 + 1e-9), arm
     for arm in ("penalty:degraded70", "penalty:probe", "penalty:direction"):
         collapsed = [s for s in (0, 1, 2) if bench_means(arm, (s,)) == [0.0, 0.0, 0.0]]
         assert len(collapsed) == 2, arm
+    assert bench_means("penalty:direction@random", (1,)) == [0.0, 0.0, 0.0]  # the twin collapses too
