@@ -100,7 +100,7 @@ BENCH = TIER1.parents[1] / "coding-bench"  # findings 9.15: the coding bench's r
 
 
 def bench_arm(cfg: dict) -> str:
-    """The study's name of the arm a coding-bench record's config trains (docs/interventions.md)."""
+    """The study's name of the arm a bench record's config trains (docs/interventions.md)."""
     m, twin = cfg["monitor"], ("@random" if cfg["proj"]["control"] == "random" else "")
     if cfg["proj"]["arm"] != "none":  # a projection arm (erase_bounded) and its random-V twin
         return cfg["proj"]["arm"] + twin
@@ -112,10 +112,10 @@ def bench_arm(cfg: dict) -> str:
     return f"{m['intervention']}:{kind}" + twin
 
 
-def bench_folder(arm: str, seed: int) -> pathlib.Path:
-    """A coding-bench run's record: its study part, its arm with `:` as `-` (docs/results/README.md)."""
+def bench_folder(arm: str, seed: int, bench: pathlib.Path = BENCH) -> pathlib.Path:
+    """A bench run's record: its study part, its arm with `:` as `-` (docs/results/README.md)."""
     part = "main" if arm in ("none", "gt_reward") else "interventions"
-    return BENCH / part / f"{arm.replace(':', '-')}-s{seed}"
+    return bench / part / f"{arm.replace(':', '-')}-s{seed}"
 
 
 def bench_rows(folder: pathlib.Path) -> list[str]:
@@ -123,16 +123,21 @@ def bench_rows(folder: pathlib.Path) -> list[str]:
     return gzip.decompress((folder / "metrics.jsonl.gz").read_bytes()).decode().splitlines()
 
 
-def test_every_coding_bench_record_is_a_finished_run_of_its_folder_name():
-    folders = sorted(BENCH.glob("*/*-s*"))
-    assert folders, f"{BENCH}: no records"
+MATHS_BENCH = BENCH.parent / "maths-bench"  # findings 9.20: the maths bench's rerun, committed as it finishes
+
+
+@pytest.mark.parametrize("bench, env", [(BENCH, "coding"), (MATHS_BENCH, "maths")])
+def test_every_bench_record_is_a_finished_run_of_its_folder_name(bench, env):
+    folders = sorted(bench.glob("*/*-s*"))
+    assert folders, f"{bench}: no records"
     for folder in folders:
         arm, seed = folder.name.rsplit("-s", 1)
         cfg = json.loads((folder / "config.json").read_text())
         assert cfg["run"]["seed"] == int(seed) and cfg["run"]["steps"] == 300, folder
+        assert cfg["env"]["name"] == env and (env == "coding" or cfg["env"]["modes"] == ["contains"]), folder
         assert bench_arm(cfg).replace(":", "-") == arm, folder
         assert pathlib.Path(cfg["run"]["dir"]).name == f"{bench_arm(cfg)}-s{seed}", folder
-        assert folder == bench_folder(bench_arm(cfg), int(seed)), folder
+        assert folder == bench_folder(bench_arm(cfg), int(seed), bench), folder
         assert len(bench_rows(folder)) == 300 and json.loads((folder / "summary.json").read_text()), folder
         machine = json.loads((folder / "machine.json").read_text())  # whose rounding it is (findings 9.16)
         assert machine["cores"] == 2 and machine["torch_cpu_capability"] in ("AVX2", "AVX512"), folder
