@@ -144,21 +144,22 @@ def test_every_bench_record_is_a_finished_run_of_its_folder_name(bench, env):
 
 
 @functools.cache
-def bench_means(arm: str, seeds: tuple[int, ...] = (0, 1, 2)) -> list[float]:
+def bench_means(arm: str, seeds: tuple[int, ...] = (0, 1, 2), bench: pathlib.Path = BENCH) -> list[float]:
     """An arm's hack / solve / well-formed: each run's last-5-step mean, averaged over `seeds`."""
     runs = []
     for s in seeds:
-        rows = [json.loads(line) for line in bench_rows(bench_folder(arm, s))[-5:]]
+        rows = [json.loads(line) for line in bench_rows(bench_folder(arm, s, bench))[-5:]]
         runs.append([statistics.fmean(r[k] for r in rows) for k in ("hack/deploy", "solve/deploy",
                                                                     "format/deploy")])
     return [statistics.fmean(col) for col in zip(*runs)]
 
 
-def assert_as_printed(table: dict[str, tuple[float, float, float]], seeds: tuple[int, ...]) -> None:
+def assert_as_printed(table: dict[str, tuple[float, float, float]], seeds: tuple[int, ...],
+                      bench: pathlib.Path = BENCH) -> None:
     """Each arm's hack / solve / well-formed over `seeds` equals the docs' three decimals (to half a unit of
     the last: a mean on a half, e.g. 0.8675, prints either way)."""
     for arm, want in table.items():
-        assert bench_means(arm, seeds) == pytest.approx(want, abs=5e-4 + 1e-9), arm
+        assert bench_means(arm, seeds, bench) == pytest.approx(want, abs=5e-4 + 1e-9), arm
 
 
 def test_coding_bench_rerun_as_findings_9_16_states_it():
@@ -223,3 +224,23 @@ def test_coding_bench_rerun_of_the_other_arms_as_findings_9_19_states_it():
         collapsed = [s for s in (0, 1, 2) if bench_means(arm, (s,)) == [0.0, 0.0, 0.0]]
         assert len(collapsed) == 2, arm
     assert bench_means("penalty:direction@random", (1,)) == [0.0, 0.0, 0.0]  # the twin collapses too
+
+
+def test_maths_bench_rerun_as_findings_9_20_states_it():
+    """Findings 9.20's first results (seeds 0-2 of the arms finished so far), from the maths records."""
+    table = {"none": (0.916, 0.003, 0.078), "gt_reward": (0.018, 0.877, 0.999),
+             "penalty:ground_truth": (0.004, 0.832, 0.998), "penalty:degraded90": (0.021, 0.607, 0.991),
+             "penalty:degraded70": (0.067, 0.031, 0.755), "penalty:detector": (0.550, 0.381, 0.904),
+             "penalty:probe": (0.662, 0.057, 0.334), "screen:ground_truth": (0.068, 0.748, 0.992),
+             "screen:degraded90": (0.306, 0.573, 0.990), "screen:degraded70": (0.542, 0.334, 0.679),
+             "screen:detector": (0.690, 0.236, 0.871), "screen:probe": (0.701, 0.052, 0.206),
+             "advantage:detector": (0.593, 0.326, 0.980)}
+    assert_as_printed(table, (0, 1, 2), MATHS_BENCH)
+    maths = functools.partial(bench_means, bench=MATHS_BENCH)
+    none, gt = maths("none"), maths("gt_reward")
+    # the verdict's margins as printed: the oracle's penalty 4.4 points of solve under gt_reward (kept: <=10),
+    # its screen 12.8 under (broken); screen:detector's hack 22.6 points under none (partial: < 30)
+    printed = {"abs": 0.05 + 1e-9}
+    assert 100 * (maths("penalty:ground_truth")[1] - gt[1]) == pytest.approx(-4.4, **printed)
+    assert 100 * (maths("screen:ground_truth")[1] - gt[1]) == pytest.approx(-12.8, **printed)
+    assert 100 * (maths("screen:detector")[0] - none[0]) == pytest.approx(-22.6, **printed)
