@@ -234,7 +234,7 @@ def test_maths_bench_rerun_as_findings_9_20_states_it():
              "penalty:probe": (0.662, 0.057, 0.334), "screen:ground_truth": (0.068, 0.748, 0.992),
              "screen:degraded90": (0.306, 0.573, 0.990), "screen:degraded70": (0.542, 0.334, 0.679),
              "screen:detector": (0.690, 0.236, 0.871), "screen:probe": (0.701, 0.052, 0.206),
-             "advantage:detector": (0.593, 0.326, 0.980)}
+             "advantage:detector": (0.593, 0.326, 0.980), "advantage:probe": (0.681, 0.259, 0.662)}
     assert_as_printed(table, (0, 1, 2), MATHS_BENCH)
     maths = functools.partial(bench_means, bench=MATHS_BENCH)
     none, gt = maths("none"), maths("gt_reward")
