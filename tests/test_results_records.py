@@ -162,6 +162,10 @@ def assert_as_printed(table: dict[str, tuple[float, float, float]], seeds: tuple
         assert bench_means(arm, seeds, bench) == pytest.approx(want, abs=5e-4 + 1e-9), arm
 
 
+# a gap in points equals the docs' one decimal (to half a unit of it: 12.25 prints 12.2)
+TO_THE_PRINTED_POINT = {"abs": 0.05 + 1e-9}
+
+
 def test_coding_bench_rerun_as_findings_9_16_states_it():
     """The rerun's column of findings 9.16's table (seeds 0-2), and the one verdict that moved."""
     table = {"none": (0.908, 0.010, 0.888), "gt_reward": (0.004, 0.779, 0.885),
@@ -194,12 +198,12 @@ def test_coding_bench_five_seeds_as_findings_9_18_states_it():
             assert machine["torch_cpu_capability"] == "AVX2" and not machine["avx512f"], (arm, s)
     gt = bench_means("gt_reward", seeds)
     # screen:degraded70's solve 0.616 - 0.771 = -15.5 points: outside "kept" (within 10)
-    assert 100 * (bench_means("screen:degraded70", seeds)[1] - gt[1]) == pytest.approx(-15.5, abs=0.05 + 1e-9)
+    gap = bench_means("screen:degraded70", seeds)[1] - gt[1]
+    assert 100 * gap == pytest.approx(-15.5, **TO_THE_PRINTED_POINT)
     # the goal: hack within 5 points of gt_reward's (0.130 - 0.007 = +12.2), solve within 10 (0.171 - 0.771)
     hack, solve, _ = bench_means("screen:direction", seeds)
-    printed = dict(abs=0.05 + 1e-9)  # to the printed digit (hack's is 12.25, printed 12.2)
-    assert 100 * (hack - gt[0]) == pytest.approx(12.2, **printed)
-    assert 100 * (solve - gt[1]) == pytest.approx(-60.0, **printed)
+    assert 100 * (hack - gt[0]) == pytest.approx(12.2, **TO_THE_PRINTED_POINT)
+    assert 100 * (solve - gt[1]) == pytest.approx(-60.0, **TO_THE_PRINTED_POINT)
 
 
 def test_coding_bench_rerun_of_the_other_arms_as_findings_9_19_states_it():
@@ -219,7 +223,7 @@ def test_coding_bench_rerun_of_the_other_arms_as_findings_9_19_states_it():
                     "erase_bounded": -1.9}
     for arm, points in against_twin.items():
         gap = bench_means(arm)[0] - bench_means(arm + "@random")[0]
-        assert 100 * gap == pytest.approx(points, abs=0.05 + 1e-9), arm
+        assert 100 * gap == pytest.approx(points, **TO_THE_PRINTED_POINT), arm
     for arm in ("penalty:degraded70", "penalty:probe", "penalty:direction"):
         collapsed = [s for s in (0, 1, 2) if bench_means(arm, (s,)) == [0.0, 0.0, 0.0]]
         assert len(collapsed) == 2, arm
@@ -242,9 +246,8 @@ def test_maths_bench_rerun_as_findings_9_20_states_it():
     none, gt = maths("none"), maths("gt_reward")
     # the verdict's margins as printed: the oracle's penalty 4.4 points of solve under gt_reward (kept: <=10),
     # its screen 12.8 under (broken); screen:detector's hack 22.6 points under none (partial: < 30)
-    printed = {"abs": 0.05 + 1e-9}
-    assert 100 * (maths("penalty:ground_truth")[1] - gt[1]) == pytest.approx(-4.4, **printed)
-    assert 100 * (maths("screen:ground_truth")[1] - gt[1]) == pytest.approx(-12.8, **printed)
-    assert 100 * (maths("screen:detector")[0] - none[0]) == pytest.approx(-22.6, **printed)
+    assert 100 * (maths("penalty:ground_truth")[1] - gt[1]) == pytest.approx(-4.4, **TO_THE_PRINTED_POINT)
+    assert 100 * (maths("screen:ground_truth")[1] - gt[1]) == pytest.approx(-12.8, **TO_THE_PRINTED_POINT)
+    assert 100 * (maths("screen:detector")[0] - none[0]) == pytest.approx(-22.6, **TO_THE_PRINTED_POINT)
     twin_gap = maths("erase_bounded")[0] - maths("erase_bounded@random")[0]  # hack against its twin
-    assert 100 * twin_gap == pytest.approx(-8.7, **printed)
+    assert 100 * twin_gap == pytest.approx(-8.7, **TO_THE_PRINTED_POINT)
