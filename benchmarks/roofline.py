@@ -50,7 +50,7 @@ from projected_grpo.sampling.generate import generate
 from projected_grpo.sampling.pack import as_ids, encode_completion
 from projected_grpo.sampling.packed import PackedLinear
 from projected_grpo.sampling.prefix import scoring
-from projected_grpo.sampling.sample import SAMPLE_DTYPES
+from projected_grpo.sampling.sample import SAMPLE_DTYPES, concrete_dtype
 
 DEVICE = torch.device("cpu")  # set once in main from the config's model.device
 
@@ -214,7 +214,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=0, help="new tokens per sample (0: the preset's)")
     ap.add_argument("--sample-dtype", default="",
-                    help="override rollout.sample_dtype (model, float32, bfloat16)")
+                    help="override rollout.sample_dtype (model, float32, bfloat16, auto)")
     opt, overrides = ap.parse_known_args()
     argv = ["--preset", opt.preset, "--model", opt.model]
     argv += ["--rollout.sample-dtype", opt.sample_dtype] if opt.sample_dtype else []
@@ -233,7 +233,7 @@ def main() -> None:
     prompt = setup.prompt_table(env, tok, [problem])[problem.id][1]
     teacher = as_ids(encode_completion(tok, env.templates(problem, "hack")[0]))
     T, N = opt.new or cfg.rollout.max_new_tokens, cfg.rollout.G_s
-    dt = SAMPLE_DTYPES[cfg.rollout.sample_dtype]
+    dt = SAMPLE_DTYPES[concrete_dtype(cfg.rollout.sample_dtype, DEVICE)]
     model_dt = next(model.parameters()).dtype
     sample_dt = dt or model_dt
     nbytes = sample_dt.itemsize

@@ -18,7 +18,8 @@ forward, backward, optimizer, overhead).
 
     .venv/bin/pip install -e ".[bench]"   # trl, psutil, peft
     .venv/bin/python benchmarks/vs_trl.py [--reps 2] [--steps 4] [--hidden 256] [--layers 4] [--profile]
-    .venv/bin/python benchmarks/vs_trl.py --model-dir DIR --pairings lora16,svd16,full_ref --betas 0.04
+    .venv/bin/python benchmarks/vs_trl.py --model-dir DIR --pairings lora16,svd16,full_ref --betas 0.04 \
+        --ckpt 0 --micro 1 --sample-dtype auto    # SmolLM2 on a 2-core CPU: ours within 0.6x TRL's memory
 
 Last line: `RESULT step_time_ratio=<ours/trl> memory_ratio=<ours/trl>` for dr_grpo at beta = 0.04
 (wall-clock step time; peak RSS of the trainer process); with --pairings, `RESULT pairing=<name> ...`.
@@ -288,9 +289,12 @@ def main() -> None:
                     "(model.grad_checkpointing: off by default in ours, on by default in TRL)")
     ap.add_argument("--share-prefix", type=int, default=1, help="ours: rollout.share_prefix (1: each prompt "
                     "run once per group; 0: every row recomputes its prompt)")
-    ap.add_argument("--sample-dtype", default="model", choices=["model", "bfloat16"],
-                    help="ours: rollout.sample_dtype (bfloat16: students sampled from bf16 weights, "
-                    "sampling/packed.py; TRL samples in fp32 either way)")
+    ap.add_argument("--sample-dtype", default="model", choices=["model", "float32", "bfloat16", "auto"],
+                    help="ours: rollout.sample_dtype (float32 / bfloat16: students sampled from packed "
+                    "weights in that dtype, sampling/packed.py; auto: bf16 where the CPU has bf16 kernels, "
+                    "else fp32; TRL samples in fp32 either way)")
+    ap.add_argument("--micro", type=int, default=0, help="ours: rollout.micro_prompts (prompts per "
+                    "forward/backward micro-batch; 0: all at once). TRL runs the step's rows in one batch")
     ap.add_argument("--cuda-graph", type=int, default=0, help="ours: rollout.cuda_graph (1: each decode step "
                     "replayed from a CUDA graph, sampling/graphed.py; --device cuda only)")
     ap.add_argument("--profile", action="store_true",
@@ -328,7 +332,7 @@ def main() -> None:
         base = {"model_dir": model_dir, "cache_dir": str(tmp / "cache"), "tmp": str(tmp),
                 "B": opt.prompts, "G": opt.group, "max_new": opt.max_new, "lr": opt.lr, "steps": opt.steps,
                 "seed": 0, "threads": opt.threads, "ckpt": bool(opt.ckpt),
-                "share_prefix": bool(opt.share_prefix), "sample_dtype": opt.sample_dtype,
+                "share_prefix": bool(opt.share_prefix), "sample_dtype": opt.sample_dtype, "micro": opt.micro,
                 "device": opt.device, "dtype": opt.dtype, "cuda_graph": bool(opt.cuda_graph)}
         cells = [(lo, float(b)) for lo in opt.losses.split(",") for b in opt.betas.split(",")]
         # each distinct trainer setting runs once per (rep, cell), shared by the pairings that use it
@@ -338,7 +342,8 @@ def main() -> None:
                 spec = {"trainer": trainer, "knob": knob, "rank": rank, "trl_lora_r": trl_r, **extra}
                 sides.setdefault(side_name(trainer, spec), spec)
         print(f"\n== timing: {what}, B={opt.prompts} G={opt.group} max_new={opt.max_new} lr={opt.lr}, "
-              f"{opt.steps} steps x {opt.reps} runs per cell, {opt.threads} thread(s); sides: "
+              f"{opt.steps} steps x {opt.reps} runs per cell, {opt.threads} thread(s); ours: ckpt={opt.ckpt} "
+              f"micro={opt.micro} sample_dtype={opt.sample_dtype}; sides: "
               f"{', '.join(sides)} ==")
         # warm-up: ours caches its SVDs on first use; that one-off is not timed
         for name, side in sides.items():

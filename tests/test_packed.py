@@ -8,6 +8,8 @@ tests/test_decode_step.py's."""
 from __future__ import annotations
 
 import copy
+import types
+import warnings
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from projected_grpo.sampling import packed
 from projected_grpo.sampling.generate import generate
 from projected_grpo.sampling.pack import left_pad, pack, position_ids_from_mask
 from projected_grpo.sampling.packed import PackedLM, why_not_packed
+from projected_grpo.sampling.sample import concrete_dtype, sample_and_grade
 from projected_grpo.sampling.score import forward_logprobs
 
 V = GQA_VOCAB
@@ -194,3 +197,40 @@ def test_gradient_checkpointing_switch_is_no_hook():
     for a, b in zip(plain, ckpt):
         assert all(map(torch.equal, a.completion_ids, b.completion_ids))
         assert all(map(torch.equal, a.logp, b.logp))
+
+
+# --- rollout.sample_dtype "auto": bf16 only where the CPU packs it ------------------------------------------
+
+@pytest.mark.parametrize("bf16_kernels, want", [(True, "bfloat16"), (False, "float32")])
+def test_auto_picks_bf16_only_where_the_cpu_has_bf16_kernels(monkeypatch, bf16_kernels, want):
+    monkeypatch.setattr(packed, "packs_on_cpu", lambda dtype=torch.bfloat16: bf16_kernels)
+    assert packed.auto_dtype("cpu") == want
+    assert packed.auto_dtype("cuda:0") == "model"  # a GPU samples the model's own forward
+    assert concrete_dtype("auto", torch.device("cpu")) == want
+    for name in ("model", "float32", "bfloat16"):  # anything else is taken as given
+        assert concrete_dtype(name, "cpu") == name
+
+
+def test_bf16_without_bf16_kernels_warns_once_and_fp32_never(monkeypatch):
+    model = _model("llama_sdpa")
+    monkeypatch.setattr(packed, "packs_on_cpu", lambda dtype=torch.bfloat16: dtype != torch.bfloat16)
+    with pytest.warns(UserWarning, match="without oneDNN bf16 kernels.*'auto'"):
+        PackedLM(model, rows=1, dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PackedLM(model, rows=1, dtype=torch.float32)
+
+
+def test_auto_samples_what_it_resolves_to(monkeypatch):
+    """sample_and_grade's "auto" is generate's sample_dtype of the resolved name: the same stream."""
+    monkeypatch.setattr(packed, "packs_on_cpu", lambda dtype=torch.bfloat16: dtype != torch.bfloat16)
+    model = _model("llama_sdpa")
+    ids = {"a": torch.tensor(PROMPTS["padded"][0]), "b": torch.tensor(PROMPTS["padded"][1])}
+    probs = [types.SimpleNamespace(id=k, mode="m") for k in ids]
+    tok = types.SimpleNamespace(eos_token_id=[], pad_token_id=0, batch_decode=lambda r, **k: [""] * len(r))
+    env = types.SimpleNamespace(grade=lambda texts, owners: [None] * len(texts))
+    got = {d: sample_and_grade(model, tok, env, probs, ids, 2, max_new_tokens=4, seed=3, sample_dtype=d)
+           for d in ("auto", "float32")}
+    for a, b in zip(got["auto"], got["float32"]):
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert torch.equal(a.logp_behaviour, b.logp_behaviour)

@@ -26,6 +26,7 @@ from projected_grpo.knobs.adapters import wrap
 from projected_grpo.organism.build import smoke_model_and_tokenizer
 from projected_grpo.run import checkpoint, dpo, metrics, ppo, session
 from projected_grpo.run import train as T
+from projected_grpo.sampling import packed
 from projected_grpo.study import launch
 
 SMALL = ["--env.max-problems", "6", "--rollout.max-new-tokens", "8"]
@@ -223,3 +224,16 @@ def test_the_run_started_by_a_sweep_and_the_cli_agree_on_the_parent_variable():
 
 def test_run_locked_is_a_user_error():
     assert issubclass(RunLocked, ValueError) and issubclass(TrainingStalled, ValueError)
+
+
+@pytest.mark.parametrize("bf16_kernels, want", [(True, "bfloat16"), (False, "float32")])
+def test_config_json_records_what_sample_dtype_auto_resolved_to(tmp_path, monkeypatch, bf16_kernels, want):
+    """A run's config.json says which weights its students were sampled from on this machine, so the file
+    reruns it anywhere as it ran here."""
+    monkeypatch.setattr(packed, "packs_on_cpu", lambda dtype=torch.bfloat16: bf16_kernels)
+    cfg, ck = session.open_run(small(tmp_path, "run", rollout={"sample_dtype": "auto"}), "x")
+    try:
+        assert ck is None and cfg.rollout.sample_dtype == want
+        assert C.Config.from_json(tmp_path / "run" / "config.json").rollout.sample_dtype == want
+    finally:
+        session.release(tmp_path / "run")

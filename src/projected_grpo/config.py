@@ -131,7 +131,7 @@ class RolloutCfg:
     """run each group's prompt once, its keys/values shared by the group's rows: in the scoring forwards
     (sampling/prefix.py; same log-probs and gradients up to fp32 rounding) and the students' prefill (the
     sampled stream may differ in the last bits); False: every row recomputes its prompt, as before"""
-    sample_dtype: Literal["model", "float32", "bfloat16"] = "model"
+    sample_dtype: Literal["model", "float32", "bfloat16", "auto"] = "model"
     """weights the students (and evals) are sampled with: `model` the policy as it is (fp32: the HF forward's
     logits bit for bit); `bfloat16` a bf16 copy of the merged weights prepacked for the CPU's bf16 units
     (sampling/packed.py; Llama/Qwen2 only): about half the memory traffic per token, but the behaviour
@@ -139,7 +139,9 @@ class RolloutCfg:
     it); `float32` the same packed forward in fp32 (~2x faster than `model` on a CPU, measured in
     docs/benchmarks.md; for an fp32 model its log-probs within fp32 rounding, ~1e-6, of the model's). Both
     packed dtypes hold a copy of the weights while sampling (bf16: half the model's size; fp32: its size);
-    training, knobs and merged weights stay in the model's dtype"""
+    training, knobs and merged weights stay in the model's dtype. `auto`: on a CPU `bfloat16` where oneDNN has
+    bf16 kernels (AVX-512 or AMX), else `float32` (bf16 unpacked on an AVX2 CPU: 2.4x the step); on a GPU
+    `model`; resolved when the run starts (config.json holds which)"""
     cuda_graph: bool = False
     """on a GPU, decode each token by replaying one CUDA graph of the whole step (sampling/graphed.py): the
     step is launch-bound there (docs/benchmarks.md, "On a GPU"); needs model.device cuda and sample_dtype
@@ -330,8 +332,9 @@ class Config:
                             "checkpoint re-scores the held-out pairs at its first step, as the unbroken run "
                             "did")
         device, dtype = self.model.device, self.rollout.sample_dtype
+        own = dtype in ("model", "auto")  # "auto" is "model" on a GPU
         off = [f"{k} is {v!r}" for k, v, ok in (("model.device", device, device.startswith("cuda")),
-                                                ("rollout.sample_dtype", dtype, dtype == "model")) if not ok]
+                                                ("rollout.sample_dtype", dtype, own)) if not ok]
         if self.rollout.cuda_graph and off:
             raise UserError("config: rollout.cuda_graph replays the model's own weights on a GPU "
                             f"(model.device cuda, rollout.sample_dtype 'model'), but {' and '.join(off)}")

@@ -36,7 +36,7 @@ from projected_grpo.errors import RunLocked, TrainingStalled, UserError
 from projected_grpo.run import checkpoint, dist, metrics, setup
 from projected_grpo.run.pool import PoolCursor, PromptCursor
 from projected_grpo.sampling.pack import as_ids, encode_prompt
-from projected_grpo.sampling.sample import sample_and_grade
+from projected_grpo.sampling.sample import concrete_dtype, sample_and_grade
 
 
 def _log(msg: str) -> None:
@@ -105,10 +105,12 @@ def cleanup_on_failure() -> Iterator[None]:
 
 
 def open_run(cfg: C.Config, name: str) -> tuple[C.Config, checkpoint.Checkpoint | None]:
-    """(the config with run.dir and rollout.seed_scope resolved, the checkpoint to resume from or None); the
-    run directory is created and locked (rank 0 under torchrun: only it writes), config.json written and every
-    RNG seeded. name: the default directory's middle part, e.g. "ppo-none"."""
+    """(the config with run.dir, rollout.seed_scope and rollout.sample_dtype resolved, the checkpoint to
+    resume from or None); the run directory is created and locked (rank 0 under torchrun: only it writes),
+    config.json written and every RNG seeded. name: the default directory's middle part, e.g. "ppo-none"."""
     cfg = C.resolve_auto(cfg)  # config.json records which seeds the run drew ("auto" resolved)
+    # ... and which weights its students were sampled from ("auto": this machine's choice, sampling/packed.py)
+    cfg = C.replace(cfg, rollout={"sample_dtype": concrete_dtype(cfg.rollout.sample_dtype, cfg.model.device)})
     run_dir = pathlib.Path(cfg.run.dir or dist.from_main(f"runs/{cfg.model.source}-{name}-s{cfg.run.seed}-"
                                                          f"{time.strftime('%Y%m%d-%H%M%S')}"))
     if dist.is_main():

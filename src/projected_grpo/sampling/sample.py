@@ -17,9 +17,15 @@ from torch import Tensor
 from projected_grpo.envs.base import Graded
 from projected_grpo.sampling.generate import generate
 from projected_grpo.sampling.pack import Ids
+from projected_grpo.sampling.packed import auto_dtype
 
-# rollout.sample_dtype -> generate's sample_dtype (None: the model's own weights)
+# rollout.sample_dtype -> generate's sample_dtype (None: the model's own weights); "auto": concrete_dtype
 SAMPLE_DTYPES = {"model": None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def concrete_dtype(sample_dtype: str, device: str | torch.device) -> str:
+    """rollout.sample_dtype with "auto" resolved for a model on `device` (packed.auto_dtype); others as is."""
+    return auto_dtype(str(device)) if sample_dtype == "auto" else sample_dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,14 +65,16 @@ def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapp
     seed: one for the batch, or one per problem (generate).
     The caller chooses the model's view (knobs.merged() / ablate_quarantine()) and no_grad. `clock`, when
     given, accumulates seconds under "generate" and "grade". share_prefill: generate's. sample_dtype:
-    rollout.sample_dtype ("model", or "float32" / "bfloat16": generate's sample_dtype in that dtype).
+    rollout.sample_dtype ("model", or "float32" / "bfloat16": generate's sample_dtype in that dtype; "auto":
+    concrete_dtype's choice for the model's device).
     cuda_graph: rollout.cuda_graph (generate's).
     """
     t0 = time.perf_counter()
+    dtype = SAMPLE_DTYPES[concrete_dtype(sample_dtype, next(model.parameters()).device)]
     ro = generate(model, [prompt_ids[p.id] for p in problems], n_samples, max_new_tokens=max_new_tokens,
                   temperature=temperature, top_p=top_p, seed=seed, eos_id=tokenizer.eos_token_id,
                   pad_id=tokenizer.pad_token_id, share_prefill=share_prefill,
-                  sample_dtype=SAMPLE_DTYPES[sample_dtype], cuda_graph=cuda_graph)
+                  sample_dtype=dtype, cuda_graph=cuda_graph)
     t1 = time.perf_counter()
     texts = tokenizer.batch_decode([c.tolist() for c in ro.completion_ids], skip_special_tokens=True)
     owners = [p for p in problems for _ in range(n_samples)]
