@@ -8,12 +8,14 @@ import pathlib
 import re
 
 import pytest
+import torch
 
 from projected_grpo import config as C
 from projected_grpo import presets, store
 from projected_grpo.cli import main
 from projected_grpo.errors import UserError
 from projected_grpo.run import metrics
+from projected_grpo.sampling import packed
 from projected_grpo.study import arms, experiment, launch, report
 
 
@@ -375,3 +377,21 @@ def test_demo_prints_the_summary_of_its_runs(tmp_path, monkeypatch, capsys):
     assert experiment.demo_main(["--arms", "all", "--seeds", "2", "--out", str(tmp_path / "e")]) == 0
     assert got["arms"] == experiment.DEMO_ARMS_ALL and got["seeds"] == [0, 1]
     assert "± SEM over 2 seeds" in capsys.readouterr().out
+
+
+def test_a_run_of_a_planned_auto_sample_dtype_is_reused(tmp_path, monkeypatch):
+    """A plan says rollout.sample_dtype "auto", its run's config.json what that became on this machine: the
+    same config (a resumed or re-reported study does not refuse its own runs); another machine's choice is
+    another config."""
+    monkeypatch.setattr(packed, "packs_on_cpu", lambda dtype=torch.bfloat16: False)  # an AVX2 CPU: float32
+    base = C.replace(presets.PRESETS["smoke"], rollout={"sample_dtype": "auto"})
+    (run,) = experiment.plan(base, ["none"], [0], tmp_path)
+    write_run(run.dir, [0.1], [0.1], finished=True)
+    as_run = C.resolve_auto(run.cfg)  # what the run's config.json holds: seed_scope resolved too
+    store.write_json_atomic(run.dir / "config.json", C.replace(as_run, rollout={"sample_dtype": "float32"})
+                            .to_dict())
+    experiment._check_existing([run])
+    store.write_json_atomic(run.dir / "config.json", C.replace(as_run, rollout={"sample_dtype": "bfloat16"})
+                            .to_dict())
+    with pytest.raises(ValueError, match="rollout.sample_dtype: 'bfloat16' -> 'float32'"):
+        experiment._check_existing([run])

@@ -229,7 +229,7 @@ def pass_before(cfg: C.Config) -> None:
     (its summary.json, written with the same config) is skipped, an interrupted one resumed."""
     if not cfg.dpo.before:
         return
-    cfg = C.resolve_auto(cfg)  # as the GRPO run and the pass will record it
+    cfg = session.resolved(cfg)  # as the GRPO run and the pass will record it
     sub_dir = pathlib.Path(setup.start_knobs(cfg)).parent
     sub = C.replace(cfg, dpo={"before": False}, run={"dir": str(sub_dir), "resume": False})
     if (sub_dir / metrics.SUMMARY_FILE).exists():

@@ -104,13 +104,20 @@ def cleanup_on_failure() -> Iterator[None]:
         raise
 
 
+def resolved(cfg: C.Config) -> C.Config:
+    """cfg with every "auto" made concrete for this process on this machine, as config.json records it:
+    rollout.seed_scope (config.resolve_auto) and rollout.sample_dtype (sampling/packed.py's choice for the
+    model's device). A planned config is compared with a written one only after this."""
+    cfg = C.resolve_auto(cfg)
+    dtype = concrete_dtype(cfg.rollout.sample_dtype, cfg.model.device)
+    return C.replace(cfg, rollout={"sample_dtype": dtype})
+
+
 def open_run(cfg: C.Config, name: str) -> tuple[C.Config, checkpoint.Checkpoint | None]:
     """(the config with run.dir, rollout.seed_scope and rollout.sample_dtype resolved, the checkpoint to
     resume from or None); the run directory is created and locked (rank 0 under torchrun: only it writes),
     config.json written and every RNG seeded. name: the default directory's middle part, e.g. "ppo-none"."""
-    cfg = C.resolve_auto(cfg)  # config.json records which seeds the run drew ("auto" resolved)
-    # ... and which weights its students were sampled from ("auto": this machine's choice, sampling/packed.py)
-    cfg = C.replace(cfg, rollout={"sample_dtype": concrete_dtype(cfg.rollout.sample_dtype, cfg.model.device)})
+    cfg = resolved(cfg)  # config.json records which seeds the run drew and which weights it sampled from
     run_dir = pathlib.Path(cfg.run.dir or dist.from_main(f"runs/{cfg.model.source}-{name}-s{cfg.run.seed}-"
                                                          f"{time.strftime('%Y%m%d-%H%M%S')}"))
     if dist.is_main():

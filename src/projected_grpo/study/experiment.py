@@ -27,7 +27,7 @@ from projected_grpo import presets, store
 from projected_grpo.errors import UserError
 from projected_grpo.hack import direction
 from projected_grpo.hack import resolve as hack_resolve
-from projected_grpo.run import metrics, setup
+from projected_grpo.run import metrics, session, setup
 from projected_grpo.run import pool as P
 from projected_grpo.study import launch, report, start_eval, summary, tables
 from projected_grpo.study.arms import ARMS, RANDOM_TWIN, arm_sections, describe_arm
@@ -178,7 +178,8 @@ def _check_existing(runs: Sequence[Run]) -> None:
         if not (run.dir / "config.json").is_file():
             continue
         done = C.Config.from_json(str(run.dir / "config.json"))
-        diff = C.diff(done, run.cfg, ignore=("run.resume",))
+        # a planned "auto" against what the run resolved it to on this machine
+        diff = C.diff(done, session.resolved(run.cfg), ignore=("run.resume",))
         if diff:
             state = "finished" if (run.dir / metrics.SUMMARY_FILE).exists() else "started"
             raise UserError(f"{run.dir} {state} with another config than this sweep plans ({diff}); "
