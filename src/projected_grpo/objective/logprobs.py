@@ -14,8 +14,11 @@ from collections.abc import Iterator
 
 import torch
 
-# Default chunk: enough token rows that one fp32 chunk is ~128 MiB (2**25 floats).
-CHUNK_ELEMENTS = 2**25
+# Default chunk: enough token rows that one fp32 chunk is ~4 MiB (2**20 floats), so a chunk's temporaries
+# stay in cache from one op to the next and below glibc's mmap threshold (a fresh mapping, page-faulted in,
+# per op otherwise): at SmolLM2's vocabulary, 16 x 31 tokens, forward + backward + entropy ~3x faster than
+# with 128 MiB chunks, the same bits (benchmarks/logprob_chunk.py, docs/benchmarks.md).
+CHUNK_ELEMENTS = 2**20
 
 
 def _blocks(N: int, T: int, V: int, chunk: int | None) -> Iterator[tuple[slice, slice]]:
@@ -114,7 +117,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, temperature: 
     -1).gather(-1, targets[..., None])[..., 0]` (fp32 math), computed `chunk` token rows at a time.
 
     logits: (N, T, V) any float dtype; targets: (N, T) int64 in [0, V).  Returns logp (N, T) fp32,
-    differentiable w.r.t. logits. chunk: token rows per fp32 block (default ~2**25 / V rows).
+    differentiable w.r.t. logits. chunk: token rows per fp32 block (default ~2**20 / V rows).
     """
     _check(logits, "token_logprobs")
     N, T, V = logits.shape
