@@ -241,7 +241,7 @@ def test_maths_bench_rerun_as_findings_9_20_states_it():
              "advantage:detector": (0.593, 0.326, 0.980), "advantage:probe": (0.681, 0.259, 0.662),
              "inoculation": (0.322, 0.021, 0.295), "erase_bounded": (0.815, 0.087, 0.277),
              "erase_bounded@random": (0.902, 0.020, 0.281), "penalty:direction": (0.104, 0.017, 0.672),
-             "penalty:direction@random": (0.138, 0.000, 0.536)}
+             "penalty:direction@random": (0.138, 0.000, 0.536), "screen:direction": (0.372, 0.053, 0.318)}
     assert_as_printed(table, (0, 1, 2), MATHS_BENCH)
     maths = functools.partial(bench_means, bench=MATHS_BENCH)
     none, gt = maths("none"), maths("gt_reward")
@@ -253,6 +253,7 @@ def test_maths_bench_rerun_as_findings_9_20_states_it():
     # penalty:direction: hack 81.2 points under none (stops hacking), solve 86.0 under gt_reward (broken)
     assert 100 * (maths("penalty:direction")[0] - none[0]) == pytest.approx(-81.2, **TO_THE_PRINTED_POINT)
     assert 100 * (maths("penalty:direction")[1] - gt[1]) == pytest.approx(-86.0, **TO_THE_PRINTED_POINT)
+    assert 100 * (maths("screen:direction")[0] - none[0]) == pytest.approx(-54.4, **TO_THE_PRINTED_POINT)
     twin_gap = maths("erase_bounded")[0] - maths("erase_bounded@random")[0]  # hack against its twin
     assert 100 * twin_gap == pytest.approx(-8.7, **TO_THE_PRINTED_POINT)
     twin_gap = maths("penalty:direction")[0] - maths("penalty:direction@random")[0]
