@@ -244,17 +244,15 @@ def test_maths_bench_rerun_as_findings_9_20_states_it():
              "penalty:direction@random": (0.138, 0.000, 0.536), "screen:direction": (0.372, 0.053, 0.318)}
     assert_as_printed(table, (0, 1, 2), MATHS_BENCH)
     maths = functools.partial(bench_means, bench=MATHS_BENCH)
-    none, gt = maths("none"), maths("gt_reward")
-    # the verdict's margins as printed: the oracle's penalty 4.4 points of solve under gt_reward (kept: <=10),
-    # its screen 12.8 under (broken); screen:detector's hack 22.6 points under none (partial: < 30)
-    assert 100 * (maths("penalty:ground_truth")[1] - gt[1]) == pytest.approx(-4.4, **TO_THE_PRINTED_POINT)
-    assert 100 * (maths("screen:ground_truth")[1] - gt[1]) == pytest.approx(-12.8, **TO_THE_PRINTED_POINT)
-    assert 100 * (maths("screen:detector")[0] - none[0]) == pytest.approx(-22.6, **TO_THE_PRINTED_POINT)
-    # penalty:direction: hack 81.2 points under none (stops hacking), solve 86.0 under gt_reward (broken)
-    assert 100 * (maths("penalty:direction")[0] - none[0]) == pytest.approx(-81.2, **TO_THE_PRINTED_POINT)
-    assert 100 * (maths("penalty:direction")[1] - gt[1]) == pytest.approx(-86.0, **TO_THE_PRINTED_POINT)
-    assert 100 * (maths("screen:direction")[0] - none[0]) == pytest.approx(-54.4, **TO_THE_PRINTED_POINT)
-    twin_gap = maths("erase_bounded")[0] - maths("erase_bounded@random")[0]  # hack against its twin
-    assert 100 * twin_gap == pytest.approx(-8.7, **TO_THE_PRINTED_POINT)
-    twin_gap = maths("penalty:direction")[0] - maths("penalty:direction@random")[0]
-    assert 100 * twin_gap == pytest.approx(-3.4, **TO_THE_PRINTED_POINT)
+    # the verdicts' margins as printed, in points: (arm, column 0 hack / 1 solve, against) -> points.
+    # The oracle's penalty 4.4 points of solve under gt_reward (kept: <= 10), its screen 12.8 under (broken);
+    # screen:detector's hack 22.6 points under none (partial: < 30); penalty:direction's hack 81.2 under none
+    # (stops hacking), its solve 86.0 under gt_reward (broken); each direction arm's hack against its twin
+    margins = {("penalty:ground_truth", 1, "gt_reward"): -4.4, ("screen:ground_truth", 1, "gt_reward"): -12.8,
+               ("screen:detector", 0, "none"): -22.6, ("penalty:direction", 0, "none"): -81.2,
+               ("penalty:direction", 1, "gt_reward"): -86.0, ("screen:direction", 0, "none"): -54.4,
+               ("erase_bounded", 0, "erase_bounded@random"): -8.7,
+               ("penalty:direction", 0, "penalty:direction@random"): -3.4}
+    for (arm, col, against), points in margins.items():
+        gap = maths(arm)[col] - maths(against)[col]
+        assert 100 * gap == pytest.approx(points, **TO_THE_PRINTED_POINT), (arm, against)
