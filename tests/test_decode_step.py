@@ -196,7 +196,7 @@ def test_unsupported_models_fall_back_to_hf():
             past, mask, *_ = _prefilled(model, PROMPTS["padded"], kv_cache=kv_cache)
             assert reason in (why_not_lean(model, past) or ""), name
             assert lean_step(model, past, mask) is None, name
-            assert decode_step(model, past, mask, {}).__qualname__.startswith("hf_step"), name
+            assert decode_step(model, past, mask, {}).step.__qualname__.startswith("hf_step"), name
         if name != "dropout":  # sampling under active dropout is random in both paths
             _assert_same(_generate(model, PROMPTS["padded"], lean=True, kv_cache=kv_cache),
                          _generate(model, PROMPTS["padded"], lean=False, kv_cache=kv_cache))
@@ -212,7 +212,7 @@ def test_transformers_output_recorders_do_not_stop_the_lean_step():
         assert any(m._forward_hooks for m in model.modules())  # the recorders are there
         past, mask, *_ = _prefilled(model, PROMPTS["padded"])
         assert why_not_lean(model, past) is None
-        assert decode_step(model, past, mask, {}).__qualname__.startswith("lean_step")
+        assert decode_step(model, past, mask, {}).step.__qualname__.startswith("lean_step")
     _assert_same(_generate(model, PROMPTS["padded"], lean=True),
                  _generate(model, PROMPTS["padded"], lean=False))
 
@@ -221,5 +221,5 @@ def test_lean_false_forces_hf_and_lean_true_takes_lean():
     model = model_for("llama_gqa", torch.float32)
     with torch.inference_mode():
         past, mask, *_ = _prefilled(model, PROMPTS["padded"])
-        assert decode_step(model, past, mask, {}, lean=False).__qualname__.startswith("hf_step")
-        assert decode_step(model, past, mask, {}).__qualname__.startswith("lean_step")
+        assert decode_step(model, past, mask, {}, lean=False).step.__qualname__.startswith("hf_step")
+        assert decode_step(model, past, mask, {}).step.__qualname__.startswith("lean_step")

@@ -22,7 +22,7 @@ from transformers import (
 from projected_grpo.knobs.adapters import wrap
 from projected_grpo.sampling import packed
 from projected_grpo.sampling.generate import generate
-from projected_grpo.sampling.pack import left_pad, pack, position_ids_from_mask
+from projected_grpo.sampling.pack import left_pad, pack, pad_right, position_ids_from_mask
 from projected_grpo.sampling.packed import PackedLM, why_not_packed
 from projected_grpo.sampling.sample import concrete_dtype, sample_and_grade
 from projected_grpo.sampling.score import forward_logprobs
@@ -112,6 +112,29 @@ def test_generate_fp32_packed_is_seeded_and_samples_the_models_tokens():
     with torch.no_grad():
         logp, _ = forward_logprobs(model, pack(a.prompt_ids, a.completion_ids, 0))
     assert (torch.stack(a.logp) - logp).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_retiring_finished_rows_samples_the_same_rows(dtype):
+    # rows end at an id that the free run samples mid-row, so the decode batch shrinks step by step
+    model = _model("llama_sdpa")
+    kw = dict(max_new_tokens=10, seed=[3, 4, 5], pad_id=0, sample_dtype=dtype)
+    free = generate(model, PROMPTS["padded"], 4, eos_id=[], **kw)
+    ends = [int(c[3]) for c in free.completion_ids[:3]]
+    kept, retired = (generate(model, PROMPTS["padded"], 4, eos_id=ends, retire=r, **kw)
+                     for r in (False, True))
+    assert len({len(c) for c in retired.completion_ids}) > 2 and not retired.truncated[:3].any()
+    # the same uniforms over the same distributions, so the same tokens wherever a row's logits agree to
+    # within ~1e-6 at both batch sizes (fp32; not a bitwise promise: a token could differ only where a
+    # uniform falls that close to a CDF step); bf16 at a few rows rounds differently, so there only the
+    # log-probs are checked
+    if dtype == torch.float32:
+        assert all(map(torch.equal, kept.completion_ids, retired.completion_ids))
+        assert torch.equal(kept.truncated, retired.truncated)
+    with torch.no_grad():
+        logp, _ = forward_logprobs(model, pack(retired.prompt_ids, retired.completion_ids, 0))
+    tol = 1e-4 if dtype == torch.float32 else 0.1
+    assert (pad_right(retired.logp, logp.shape[1]) - logp).abs().max() < tol
 
 
 def test_generate_bf16_is_seeded_and_scores_like_the_model():

@@ -142,6 +142,13 @@ class RolloutCfg:
     training, knobs and merged weights stay in the model's dtype. `auto`: on a CPU `bfloat16` where oneDNN has
     bf16 kernels (AVX-512 or AMX), else `float32` (bf16 unpacked on an AVX2 CPU: 2.4x the step); on a GPU
     `model`; resolved when the run starts (config.json holds which)"""
+    retire: bool = False
+    """drop finished rows from the decode batch (sampling/generate.py), so each token costs only the rows
+    still decoding: SmolLM2's maths sampling 1.06x faster with untrained answers, 1.34x with answers
+    ending near 20 of 32 tokens, the organism's 1.27x (docs/benchmarks.md). The same draws from the same
+    distributions, but a row's later tokens come from a smaller batch, which some kernels round differently
+    (the organism's fp32 at 2 threads; bf16 at a few rows), so the sampled stream is not the unretired one
+    bit for bit: off by default, keeping the streams of earlier runs (smollm2-math-cpu sets it)"""
     cuda_graph: bool = False
     """on a GPU, decode each token by replaying one CUDA graph of the whole step (sampling/graphed.py): the
     step is launch-bound there (docs/benchmarks.md, "On a GPU"); needs model.device cuda and sample_dtype

@@ -110,8 +110,9 @@ SMOLLM2_GPU = Config(
 # experiment on a CPU: 4 prompts x a group of 8 per step, answers within 32 tokens, the students sampled
 # from bf16 weights where the CPU has bf16 kernels (AVX-512 or AMX), else from packed fp32 ones
 # (rollout.sample_dtype auto, sampling/packed.py: bf16 without those kernels: 2.4x the step; sample/kl
-# logs the ratio that bf16 leaves uncorrected; before 2026-11-27 this preset sampled bf16 on every CPU:
-# --rollout.sample-dtype bfloat16 reproduces those runs),
+# logs the ratio that bf16 leaves uncorrected), finished rows retired from the decode batch (rollout.retire:
+# 1.06-1.34x the sampling; before 2026-11-27 this preset sampled bf16 on every CPU and decoded every row to
+# the end: --rollout.sample-dtype bfloat16 --rollout.no-retire reproduces those runs),
 # SVD knobs of rank 16 (low-rank: trained unmerged, no W_eff held; 3360 knob values, so V_hack's per-pair
 # gradients stay small: LoRA r16's are 2.5M per pair), held-out accuracy on 50 problems of the training
 # levels every 10 steps. Levels 1-2 and lr 0.1 are where the honest reward trains it (docs/findings.md
@@ -121,7 +122,8 @@ SMOLLM2_MATH_CPU = Config(
     model=ModelCfg(source="hf", path="smollm2", knob="svd", rank=16),
     env=EnvCfg(name="maths", problems="arithmetic", modes=("strict",), curriculum_steps=10, eval_size=50,
                max_problems=200, warmup_levels=(1, 2), train_levels=(1, 2)),
-    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.0, max_new_tokens=32, sample_dtype="auto"),
+    rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.0, max_new_tokens=32, sample_dtype="auto",
+                       retire=True),
     proj=ProjCfg(pairs_per_problem=1),
     optim=OptimCfg(lr=0.1, betas=(0.9, 0.99), warmup_steps=3),
     run=RunCfg(steps=200, checkpoint_every=25, eval_every=10),

@@ -144,7 +144,7 @@ def sample_groups(cfg: C.Config, model, tokenizer, env, problems: Sequence,
                                max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
                                top_p=cfg.rollout.top_p, seed=seed, clock=clock,
                                share_prefill=cfg.rollout.share_prefix, sample_dtype=cfg.rollout.sample_dtype,
-                               cuda_graph=cfg.rollout.cuda_graph)
+                               cuda_graph=cfg.rollout.cuda_graph, retire=cfg.rollout.retire)
         for j, b in enumerate(rows):
             out[b] = got[j * n:(j + 1) * n]
     return out
@@ -218,5 +218,6 @@ def eval_grades(cfg: C.Config, model, knobs, tokenizer, env, problems: Sequence,
     with knobs.ablate_quarantine(), torch.no_grad(), knobs.merged():
         got = sample_and_grade(model, tokenizer, env, problems, prompt_ids, 1,
                                max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, seed=0,
-                               sample_dtype=cfg.rollout.sample_dtype, cuda_graph=cfg.rollout.cuda_graph)
+                               sample_dtype=cfg.rollout.sample_dtype, cuda_graph=cfg.rollout.cuda_graph,
+                               retire=cfg.rollout.retire)
     return [s.grade for s in got]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -28,6 +29,19 @@ from projected_grpo.sampling.kv_cache import _GrowingLayer, cache_of, with_cache
 
 # tok (N,) long, pos (N, 1) its positions, n = the cache length after tok -> logits (N, V) of the next token
 Step = Callable[[Tensor, Tensor, int], Tensor]
+
+
+@dataclass(frozen=True)
+class Decode:
+    """A decode's per-token `step`, and `keep_rows(rows)`: keep only rows (N',) long of its KV cache and
+    attention mask, so that the next step runs N' rows (generate retires finished rows); None where the
+    step's shapes are fixed (a CUDA graph). Calling a Decode calls its step."""
+
+    step: Step
+    keep_rows: Callable[[Tensor], None] | None = None
+
+    def __call__(self, tok: Tensor, pos: Tensor, n: int) -> Tensor:
+        return self.step(tok, pos, n)
 
 
 @functools.cache
@@ -218,7 +232,7 @@ def _step_mask(impl: str, mask: Tensor, dtype: torch.dtype) -> Tensor | None:
 ATTENDS = {"sdpa": _sdpa_attend, "eager": _eager_attend}
 
 
-def lean_step(model, past: DynamicCache, mask: Tensor) -> Step | None:
+def lean_step(model, past: DynamicCache, mask: Tensor) -> Decode | None:
     """The lean one-token step over `model` writing into `past`, or None when why_not_lean gives a reason.
 
     past: the preallocated cache after the prefill. mask: (N, C) the decode's whole attention mask (prompt
@@ -253,10 +267,15 @@ def lean_step(model, past: DynamicCache, mask: Tensor) -> Step | None:
         x = _rms_norm(x, final_norm)
         return lm_head(x[:, -1:, :])[:, -1]  # (N, V)
 
-    return step
+    def keep_rows(rows: Tensor) -> None:
+        nonlocal full_mask
+        past.reorder_cache(rows)  # each _GrowingLayer's buffers; `plan` holds the layers, not the buffers
+        full_mask = None if full_mask is None else full_mask.index_select(0, rows)
+
+    return Decode(step, keep_rows)
 
 
-def hf_step(model, past, mask: Tensor, keep: dict) -> Step:
+def hf_step(model, past, mask: Tensor, keep: dict) -> Decode:
     """The plain Hugging Face forward of one token (any model): the fallback and the reference."""
     def step(tok: Tensor, pos: Tensor, n: int) -> Tensor:
         nonlocal past
@@ -265,9 +284,14 @@ def hf_step(model, past, mask: Tensor, keep: dict) -> Step:
         past = cache_of(out)
         return out.logits[:, -1]
 
-    return step
+    def keep_rows(rows: Tensor) -> None:
+        nonlocal mask
+        past.reorder_cache(rows)
+        mask = mask.index_select(0, rows)
+
+    return Decode(step, keep_rows)
 
 
-def decode_step(model, past, mask: Tensor, keep: dict, lean: bool = True) -> Step:
+def decode_step(model, past, mask: Tensor, keep: dict, lean: bool = True) -> Decode:
     """The step `generate` calls per token: lean_step when `lean` and the model is supported, else hf_step."""
     return (lean_step(model, past, mask) if lean else None) or hf_step(model, past, mask, keep)

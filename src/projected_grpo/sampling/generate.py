@@ -1,10 +1,11 @@
 """Batched sampling: every prompt x n_samples in one seeded KV-cache decode, with behaviour log-probs.
 
-`generate` samples all prompts x n_samples in one batch with an attention mask, stops each row at EOS,
-and returns the log-probs it sampled under. `step_seed` derives sampling seeds from (base_seed, step, ...)
-stably across processes. The decode's KV caches are in kv_cache.py, its per-token step (a lean one for
-Llama/Qwen2, else the HF forward) in decode_step.py, the bf16 forward over prepacked weights (prefill and
-step, sample_dtype=torch.bfloat16) in packed.py, its token samplers in samplers.py.
+`generate` samples all prompts x n_samples in one batch with an attention mask, stops each row at EOS
+(optionally retiring finished rows from the batch), and returns the log-probs it sampled under. `step_seed`
+derives sampling seeds from (base_seed, step, ...) stably across processes. The decode's KV caches are in
+kv_cache.py, its per-token step (a lean one for Llama/Qwen2, else the HF forward) in decode_step.py, the
+forward over prepacked weights (prefill and step, sample_dtype fp32 or bf16) in packed.py, its token
+samplers in samplers.py.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from projected_grpo.sampling.decode_step import decode_step
+from projected_grpo.sampling.decode_step import Decode, decode_step
 from projected_grpo.sampling.graphed import graphed_step
 from projected_grpo.sampling.kv_cache import KV_CACHES, cache_of, with_cache
 from projected_grpo.sampling.pack import Ids, SeqBatch, as_ids, left_pad, pack, position_ids_from_mask
 from projected_grpo.sampling.packed import PackedLM
-from projected_grpo.sampling.samplers import SAMPLERS, draw
+from projected_grpo.sampling.samplers import SAMPLERS, uniforms
 from projected_grpo.sampling.score import accepts_logits_to_keep
 
 
@@ -65,7 +66,8 @@ def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens
              temperature: float = 1.0, top_p: float = 1.0, seed: int | Sequence[int],
              eos_id: int | Sequence[int], pad_id: int, kv_cache: str = "preallocated",
              share_prefill: bool = False, lean: bool = True,
-             sample_dtype: torch.dtype | None = None, cuda_graph: bool = False) -> Rollout:
+             sample_dtype: torch.dtype | None = None, cuda_graph: bool = False,
+             retire: bool = False) -> Rollout:
     """Sample n_samples completions for every prompt in ONE batched KV-cache decode.
 
     Prompts are left-padded with an attention mask and explicit position ids, so a row's logits do
@@ -94,6 +96,13 @@ def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens
     cache, a model the lean step supports): one graph launch per token instead of ~25 kernels per layer; its
     logits round differently from the HF forward's in the last bits (graphed.py says why); lean then does not
     apply.
+    retire: drop finished rows from the decode batch (their KV cache and mask rows) once at least an eighth of
+    it has finished, so that a step costs the rows still decoding (a CPU step's matmuls scale with its rows).
+    Every row's uniform is drawn at every token either way (samplers.uniforms), so a row's tokens are those
+    of the unretired decode wherever the kernels round a row alike at every batch size (SmolLM2's packed
+    fp32 on the CPUs measured); elsewhere (the organism's fp32 at 2 threads, bf16 at a few rows) the same
+    distributions, rounded differently, so the sampled stream is not the unretired one bit for bit
+    (rollout.retire is off by default for that reason). Not with cuda_graph (a graph's shapes are fixed).
     prompt_ids: B prompts, each (T_p,) torch.long CPU (or a sequence of ints, made a tensor here).
     Returns a Rollout with N = B * n_samples rows.
     """
@@ -141,19 +150,28 @@ def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens
         # share_prefill: the first of each prompt's rows, then its cache and logits to all of them
         first = torch.arange(0, N, n_samples, device=device) if share_prefill and n_samples > 1 else None
         start = _start_packed if sample_dtype is not None else _start_model
-        logits, step = start(model, ids, mask, pos, first, n_samples, kv_cache=kv_cache, lean=lean,
-                             dtype=sample_dtype, cuda_graph=cuda_graph)
+        logits, decode = start(model, ids, mask, pos, first, n_samples, kv_cache=kv_cache, lean=lean,
+                               dtype=sample_dtype, cuda_graph=cuda_graph)
+        retire = retire and decode.keep_rows is not None
+        live = torch.arange(N, device=device)  # (A,): the rows in the decode batch, finished or not
         for t in range(max_new_tokens):
-            tok, lp = draw(pick, logits.float(), temperature, top_p, gens)
-            tok = tok.masked_fill(done, pad_id)  # finished rows keep decoding pad; their outputs are dropped
-            toks[:, t], logps[:, t] = tok, lp
-            hit = ~done & torch.isin(tok, eos)
-            lens[hit] = t + 1
-            done |= hit
+            u = uniforms(gens, N, device)[live]  # every row's draw, so retiring never shifts another's
+            tok, lp = pick(logits.float(), temperature, top_p, u)
+            was_done = done[live]
+            tok = tok.masked_fill(was_done, pad_id)  # finished rows not yet retired decode pad, then dropped
+            toks[live, t], logps[live, t] = tok, lp
+            hit = ~was_done & torch.isin(tok, eos)
+            lens[live[hit]] = t + 1
+            done[live[hit]] = True
             if bool(done.all()) or t + 1 == max_new_tokens:
                 break
             pos = pos[:, -1:] + 1
-            logits = step(tok, pos, P + t + 1)
+            going = ~done[live]
+            if retire and len(live) - int(going.sum()) >= max(1, len(live) // 8):
+                keep = going.nonzero()[:, 0]
+                decode.keep_rows(keep)
+                live, tok, pos = live[keep], tok[keep], pos[keep]
+            logits = decode(tok, pos, P + t + 1)
 
     toks, logps, lens = toks.cpu(), logps.cpu(), lens.cpu()
     # each row a copy of its own, not a view of toks: a pickled row (dist.all_gather) carries only itself
@@ -163,7 +181,7 @@ def generate(model, prompt_ids: Sequence[Ids], n_samples: int, *, max_new_tokens
 
 # Each start: (model, ids (N, P) left-padded, mask (N, P + new) the decode's attention mask, pos (N, P), first
 # (M,) the rows to prefill with share_prefill (else None), n_samples, **options) -> (logits (N, V) of the
-# first new token, step(tok (N,), pos (N, 1), n) -> logits (N, V) of the next).
+# first new token, a decode_step.Decode: step(tok (N,), pos (N, 1), n) -> logits (N, V) of the next).
 
 def _start_model(model, ids, mask, pos, first, n_samples, *, kv_cache, lean, dtype, cuda_graph):
     """The model's own forward: the HF prefill into the kv_cache's cache, then decode_step's (lean or HF) or,
@@ -180,7 +198,7 @@ def _start_model(model, ids, mask, pos, first, n_samples, *, kv_cache, lean, dty
         cache_of(out).reorder_cache(to_rows)
         logits = logits.index_select(0, to_rows)
     if cuda_graph:
-        return logits, graphed_step(model, cache_of(out), mask)
+        return logits, Decode(graphed_step(model, cache_of(out), mask))
     return logits, decode_step(model, cache_of(out), mask, keep, lean)  # chosen once: lean or HF
 
 
@@ -192,6 +210,6 @@ def _start_packed(model, ids, mask, pos, first, n_samples, *, kv_cache, lean, dt
     logits = lm.prefill(ids[rows], mask[rows, :P], pos[rows], capacity=mask.shape[1])
     if first is not None:
         to_rows = torch.arange(len(first), device=ids.device).repeat_interleave(n_samples)  # (N,)
-        lm.repeat_rows(to_rows)
+        lm.select_rows(to_rows)
         logits = logits.index_select(0, to_rows)
     return logits, lm.stepper(mask)

@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from projected_grpo.knobs.adapters import KnobLinear
-from projected_grpo.sampling.decode_step import _rotate_half, why_not_replicated
+from projected_grpo.sampling.decode_step import Decode, _rotate_half, why_not_replicated
 
 DTYPE = torch.bfloat16
 
@@ -200,14 +200,16 @@ class PackedLM:
             m = ((causal & keep[:, None, :]) | torch.eye(P, dtype=torch.bool, device=ids.device))[:, None]
         return self._forward(ids, pos, m, 0)
 
-    def repeat_rows(self, to_rows: Tensor) -> None:
-        """Keep rows to_rows (N,) of the cache (share_prefill: each prompt's cache to its samples)."""
-        self.k = [k.index_select(0, to_rows) for k in self.k]
-        self.v = [v.index_select(0, to_rows) for v in self.v]
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep rows (N',) of the cache, in that order (share_prefill: each prompt's cache to its samples;
+        the decode: its unfinished rows)."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
 
-    def stepper(self, mask: Tensor):
+    def stepper(self, mask: Tensor) -> Decode:
         """The one-token step over the decode's attention mask (N, C) (0 on prompt padding):
-        step(tok (N,), pos (N, 1), n the cache length after tok) -> logits (N, V) in fp32."""
+        step(tok (N,), pos (N, 1), n the cache length after tok) -> logits (N, V) in fp32; keep_rows narrows
+        the cache and the mask to fewer rows."""
         keep = mask.bool()[:, None, None, :]  # (N, 1, 1, C): at q_len 1 every cached column but padding
         full = None if bool(keep.all()) else keep
         g, Hkv, D = self.H // self.Hkv, self.Hkv, self.D
@@ -222,4 +224,9 @@ class PackedLM:
         def step(tok: Tensor, pos: Tensor, n: int) -> Tensor:
             return self._forward(tok[:, None], pos, None if full is None else full[..., :n], n - 1, attend)
 
-        return step
+        def keep_rows(rows: Tensor) -> None:
+            nonlocal full
+            self.select_rows(rows)
+            full = None if full is None else full.index_select(0, rows)
+
+        return Decode(step, keep_rows)

@@ -56,7 +56,7 @@ def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapp
                      n_samples: int, *, max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
                      seed: int | Sequence[int], clock: dict[str, float] | None = None,
                      share_prefill: bool = False, sample_dtype: str = "model",
-                     cuda_graph: bool = False) -> list[Sample]:
+                     cuda_graph: bool = False, retire: bool = False) -> list[Sample]:
     """Sample `n_samples` completions of every problem in one batch, decode, grade with `env`.
 
     prompt_ids: problem id -> its prompt's (T_p,) torch.long ids (setup.prompt_table), the tensor every
@@ -67,14 +67,14 @@ def sample_and_grade(model, tokenizer, env, problems: Sequence, prompt_ids: Mapp
     given, accumulates seconds under "generate" and "grade". share_prefill: generate's. sample_dtype:
     rollout.sample_dtype ("model", or "float32" / "bfloat16": generate's sample_dtype in that dtype; "auto":
     concrete_dtype's choice for the model's device).
-    cuda_graph: rollout.cuda_graph (generate's).
+    cuda_graph, retire: rollout.cuda_graph and rollout.retire (generate's).
     """
     t0 = time.perf_counter()
     dtype = SAMPLE_DTYPES[concrete_dtype(sample_dtype, next(model.parameters()).device)]
     ro = generate(model, [prompt_ids[p.id] for p in problems], n_samples, max_new_tokens=max_new_tokens,
                   temperature=temperature, top_p=top_p, seed=seed, eos_id=tokenizer.eos_token_id,
                   pad_id=tokenizer.pad_token_id, share_prefill=share_prefill,
-                  sample_dtype=dtype, cuda_graph=cuda_graph)
+                  sample_dtype=dtype, cuda_graph=cuda_graph, retire=retire)
     t1 = time.perf_counter()
     texts = tokenizer.batch_decode([c.tolist() for c in ro.completion_ids], skip_special_tokens=True)
     owners = [p for p in problems for _ in range(n_samples)]
