@@ -241,18 +241,22 @@ def test_maths_bench_rerun_as_findings_9_20_states_it():
              "advantage:detector": (0.593, 0.326, 0.980), "advantage:probe": (0.681, 0.259, 0.662),
              "inoculation": (0.322, 0.021, 0.295), "erase_bounded": (0.815, 0.087, 0.277),
              "erase_bounded@random": (0.902, 0.020, 0.281), "penalty:direction": (0.104, 0.017, 0.672),
-             "penalty:direction@random": (0.138, 0.000, 0.536), "screen:direction": (0.372, 0.053, 0.318)}
+             "penalty:direction@random": (0.138, 0.000, 0.536), "screen:direction": (0.372, 0.053, 0.318),
+             "screen:direction@random": (0.851, 0.062, 0.259)}
     assert_as_printed(table, (0, 1, 2), MATHS_BENCH)
     maths = functools.partial(bench_means, bench=MATHS_BENCH)
     # the verdicts' margins as printed, in points: (arm, column 0 hack / 1 solve, against) -> points.
     # The oracle's penalty 4.4 points of solve under gt_reward (kept: <= 10), its screen 12.8 under (broken);
     # screen:detector's hack 22.6 points under none (partial: < 30); penalty:direction's hack 81.2 under none
-    # (stops hacking), its solve 86.0 under gt_reward (broken); each direction arm's hack against its twin
+    # (stops hacking), its solve 86.0 under gt_reward (broken); screen:direction@random's hack 6.5 under none
+    # (no effect: 9.10 read partial); each direction arm's hack against its twin
     margins = {("penalty:ground_truth", 1, "gt_reward"): -4.4, ("screen:ground_truth", 1, "gt_reward"): -12.8,
                ("screen:detector", 0, "none"): -22.6, ("penalty:direction", 0, "none"): -81.2,
                ("penalty:direction", 1, "gt_reward"): -86.0, ("screen:direction", 0, "none"): -54.4,
                ("erase_bounded", 0, "erase_bounded@random"): -8.7,
-               ("penalty:direction", 0, "penalty:direction@random"): -3.4}
+               ("penalty:direction", 0, "penalty:direction@random"): -3.4,
+               ("screen:direction@random", 0, "none"): -6.5,
+               ("screen:direction", 0, "screen:direction@random"): -47.9}
     for (arm, col, against), points in margins.items():
         gap = maths(arm)[col] - maths(against)[col]
         assert 100 * gap == pytest.approx(points, **TO_THE_PRINTED_POINT), (arm, against)
