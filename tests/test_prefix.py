@@ -1,6 +1,7 @@
 """sampling/prefix.py: the prefix-shared scoring forward equals the packed one (log-probs, entropies, knob
-gradients, the per-source split against the two-backward oracle), with and without gradient checkpointing;
-generate's shared prefill keeps the sampled ids.
+gradients, the per-source split against the two-backward oracle), with and without gradient checkpointing,
+its completions in one forward or in like-length buckets (pack.length_buckets, by hand and against brute
+force); generate's shared prefill keeps the sampled ids.
 
 Run: .venv/bin/pytest -q tests/test_prefix.py
 """
@@ -25,7 +26,7 @@ from transformers import (
 
 from projected_grpo.knobs.adapters import wrap
 from projected_grpo.sampling.generate import generate
-from projected_grpo.sampling.pack import pack
+from projected_grpo.sampling.pack import length_buckets, pack
 from projected_grpo.sampling.prefix import SCORINGS, pack_prefix, prefix_logprobs, scoring, supported
 from projected_grpo.sampling.score import forward_logprobs
 
@@ -108,9 +109,10 @@ def test_pack_prefix_rejects_bad_input():
 # --- the same log-probs, entropies and gradients as the packed forward -----------------------------
 
 
+@pytest.mark.parametrize("buckets", [1, 3])
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_equal_the_packed_forward(name, temperature, tmp_path):
+def test_logprobs_equal_the_packed_forward(name, temperature, buckets, tmp_path):
     if name == "gpt2":
         torch.manual_seed(0)
         model, contexts = MODELS[name]().eval(), [contextlib.nullcontext]
@@ -124,7 +126,8 @@ def test_logprobs_equal_the_packed_forward(name, temperature, tmp_path):
         for ctx in contexts:
             with ctx():
                 want, want_h = forward_logprobs(model, packed, temperature=temperature, with_entropy=True)
-                got, got_h = prefix_logprobs(model, shared, temperature=temperature, with_entropy=True)
+                got, got_h = prefix_logprobs(model, shared, temperature=temperature, with_entropy=True,
+                                             buckets=buckets)
             assert (got - want).abs().max() < 1e-5
             assert (got_h - want_h).abs().max() < 1e-5
             assert torch.equal(got == 0, packed.completion_mask == 0)  # 0 exactly on padding
@@ -146,9 +149,11 @@ def test_entropy_is_a_detached_metric_and_logp_keeps_its_graph(tmp_path):
         assert entropy[batch.completion_mask > 0].min() > 0  # a real entropy, not zeros
 
 
+@pytest.mark.parametrize("buckets", [1, 3])
 @pytest.mark.parametrize("kind", ["svd", "lora"])
 @pytest.mark.parametrize("name,ckpt", [("llama-sdpa", False), ("llama-sdpa", True), ("llama-eager", True)])
-def test_knob_gradients_and_the_split_equal_the_packed_two_backward_oracle(name, ckpt, kind, tmp_path):
+def test_knob_gradients_and_the_split_equal_the_packed_two_backward_oracle(name, ckpt, kind, buckets,
+                                                                           tmp_path):
     model, knobs = model_and_knobs(name, kind, tmp_path, ckpt=ckpt)
     prompts, completions, is_student, adv = rows()
     packed, shared = pack(prompts, completions, PAD), pack_prefix(prompts, completions, PAD, is_student)
@@ -159,7 +164,7 @@ def test_knob_gradients_and_the_split_equal_the_packed_two_backward_oracle(name,
     for p in knobs.parameters():
         p.grad = None
     with knobs.capture(is_student) as cap:
-        logp, _ = prefix_logprobs(model, shared, capture=cap)
+        logp, _ = prefix_logprobs(model, shared, capture=cap, buckets=buckets)
         (-adv * logp.sum(1)).sum().backward()
     full = {n: g.clone() for n, g in knobs.grads("main").items()}
     assert max_rel(cap.g_student, g_s) < 1e-5
@@ -192,8 +197,8 @@ def test_all_student_batch_and_one_token_completions(tmp_path):
 @settings(max_examples=12, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 6), st.lists(st.tuples(st.integers(1, 5), st.booleans()),
                                                       min_size=1, max_size=4)), min_size=1, max_size=3),
-       st.integers(0, 2**16))
-def test_any_layout_scores_as_packed(groups, seed):
+       st.integers(0, 2**16), st.integers(1, 4))
+def test_any_layout_scores_as_packed(groups, seed, buckets):
     # groups: (prompt length, [(completion length, is_student), ...]); prompts may repeat across groups
     model = _PROPERTY_MODEL
     g = torch.Generator().manual_seed(seed)
@@ -206,12 +211,61 @@ def test_any_layout_scores_as_packed(groups, seed):
             flags.append(s)
     with torch.no_grad():
         want, _ = forward_logprobs(model, pack(prompts, completions, PAD))
-        got, _ = prefix_logprobs(model, pack_prefix(prompts, completions, PAD, flags))
+        got, _ = prefix_logprobs(model, pack_prefix(prompts, completions, PAD, flags), buckets=buckets)
     assert (got - want).abs().max() < 1e-5
 
 
 torch.manual_seed(0)
 _PROPERTY_MODEL = MODELS["llama-sdpa"]().eval()
+
+
+# --- like-length buckets ----------------------------------------------------------------------------
+
+
+def test_length_buckets_by_hand():
+    # lengths [2, 9, 4, 10]; padding each bucket to its longest costs |bucket| * longest:
+    # one bucket 4 * 10 = 40; two: {2, 4} + {9, 10} = 2 * 4 + 2 * 10 = 28 (the best split in two);
+    # three: {2} + {4} + {9, 10} = 2 + 4 + 20 = 26 (against {2, 4} + {9} + {10} = 8 + 9 + 10 = 27)
+    assert length_buckets([2, 9, 4, 10], 1) == [[0, 1, 2, 3]]
+    assert length_buckets([2, 9, 4, 10], 2) == [[0, 2], [1, 3]]
+    assert length_buckets([2, 9, 4, 10], 3) == [[0], [2], [1, 3]]
+    assert length_buckets([5, 5, 5], 3) == [[0, 1, 2]]  # equal lengths: one bucket, nothing to save
+    with pytest.raises(ValueError, match="k >= 1"):
+        length_buckets([3], 0)
+
+
+def _cost(lens, buckets) -> int:
+    return sum(len(b) * max(lens[i] for i in b) for b in buckets)
+
+
+def _brute(lens, k) -> int:
+    """The least cost over every partition of the rows into at most k sets (any sets, not only runs)."""
+    best = None
+
+    def place(i, parts):
+        nonlocal best
+        if i == len(lens):
+            c = _cost(lens, parts)
+            best = c if best is None or c < best else best
+            return
+        for p in parts:
+            p.append(i)
+            place(i + 1, parts)
+            p.pop()
+        if len(parts) < k:
+            place(i + 1, parts + [[i]])
+
+    place(0, [])
+    return best
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=7), st.integers(1, 4))
+def test_length_buckets_partition_the_rows_at_the_least_padding(lens, k):
+    got = length_buckets(lens, k)
+    assert sorted(i for b in got for i in b) == list(range(len(lens)))  # every row once
+    assert 1 <= len(got) <= k and all(b and b == sorted(b) for b in got)
+    assert _cost(lens, got) == _brute(lens, k) <= len(lens) * max(lens)
 
 
 # --- what the forward refuses, and when the packed one runs instead --------------------------------
@@ -240,6 +294,7 @@ def test_sliding_window_models_fall_back_to_the_packed_forward(capsys):
     assert "scoring with the packed forward" in capsys.readouterr().err
     assert scoring(MODELS["llama-sdpa"](), False).name == "packed"
     assert scoring(MODELS["llama-sdpa"](), True).name == "prefix"
+    assert scoring(MODELS["llama-sdpa"](), True, buckets=4).logprobs.keywords == {"buckets": 4}
 
 
 # --- generate: each prompt's prefill once ------------------------------------------------------------

@@ -25,6 +25,7 @@ from projected_grpo.run import metrics
 from projected_grpo.run import pool as PL
 from projected_grpo.run import train as T
 from projected_grpo.sampling import generate as sampling_generate
+from projected_grpo.sampling import pack, prefix
 from projected_grpo.sampling import sample as sampling_sample
 
 TIME_KEYS = ("time/generate", "time/grade", "time/backward", "time/step")
@@ -250,17 +251,23 @@ def test_gradient_accumulation_matches_one_big_batch(runs, tmp_path):
         torch.testing.assert_close(grads[1][n], grads[2][n], rtol=1e-5, atol=1e-8)
 
 
-def test_shared_prefix_gives_the_packed_forwards_gradients(runs, tmp_path):
-    # rollout.share_prefix (sampling/prefix.py) changes how the scoring forwards run, not the math: with
-    # teacher rows, importance ratios and a KL term, step 0's gradient and its per-source split agree to fp32
+@pytest.mark.parametrize("buckets", [1, 3])
+def test_shared_prefix_gives_the_packed_forwards_gradients(runs, tmp_path, buckets):
+    # rollout.share_prefix (sampling/prefix.py) changes how the scoring forwards run, not the math, and so do
+    # its like-length buckets (rollout.buckets): with teacher rows, importance ratios and a KL term, step 0's
+    # gradient and its per-source split agree to fp32
     calls = {}
     for share in (True, False):
-        cfg = C.replace(runs["route"][0], rollout={"share_prefix": share},
+        cfg = C.replace(runs["route"][0], rollout={"share_prefix": share, "buckets": buckets},
                         run={"steps": 1, "eval_every": 0, "dir": str(tmp_path / f"share{share}")})
+        seen = []
         with pytest.MonkeyPatch.context() as mp:
             spy = Spy(mp)
+            mp.setattr(prefix, "length_buckets", lambda lens, k, seen=seen:
+                       seen.append(pack.length_buckets(lens, k)) or seen[-1])
             T.train(cfg)
         calls[share] = spy.calls[0]
+        assert max((len(g) for g in seen), default=0) == (buckets if share else 0)  # the buckets did run
     for key in ("g", "g_s", "g_t"):  # max |diff| / max |g| per module: fp32 rounding, near-cancelling sums
         for n, want in calls[False][key].items():
             assert (calls[True][key][n] - want).abs().max() <= 1e-5 * want.abs().max(), (key, n)

@@ -149,6 +149,12 @@ class RolloutCfg:
     distributions, but a row's later tokens come from a smaller batch, which some kernels round differently
     (the organism's fp32 at 2 threads; bf16 at a few rows), so the sampled stream is not the unretired one
     bit for bit: off by default, keeping the streams of earlier runs (smollm2-math-cpu sets it)"""
+    buckets: int = 1
+    """with share_prefix, the training step's scoring forwards run each micro-batch's completions in up to
+    this many forwards of like-length rows, each padded to its own longest row (sampling/prefix.py,
+    pack.length_buckets) rather than all to the longest: the same log-probs and gradients up to fp32
+    rounding, without the padded positions' work (docs/benchmarks.md). 1: one forward, bit for bit as
+    before it existed (the default, so earlier runs keep their bits; smollm2-math-cpu sets 4)"""
     cuda_graph: bool = False
     """on a GPU, decode each token by replaying one CUDA graph of the whole step (sampling/graphed.py): the
     step is launch-bound there (docs/benchmarks.md, "On a GPU"); needs model.device cuda and sample_dtype
@@ -157,7 +163,7 @@ class RolloutCfg:
 
     def __post_init__(self) -> None:
         _check(self)
-        _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p")
+        _positive(self, "prompts_per_step", "group_size", "max_new_tokens", "temperature", "top_p", "buckets")
         _positive(self, "micro_prompts", allow_zero=True)
         if not 0.0 <= self.mix < 1.0:
             raise UserError(f"config: RolloutCfg.mix={self.mix!r} must be in [0, 1) (one student at least)")

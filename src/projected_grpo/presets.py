@@ -123,7 +123,7 @@ SMOLLM2_MATH_CPU = Config(
     env=EnvCfg(name="maths", problems="arithmetic", modes=("strict",), curriculum_steps=10, eval_size=50,
                max_problems=200, warmup_levels=(1, 2), train_levels=(1, 2)),
     rollout=RolloutCfg(prompts_per_step=4, group_size=8, mix=0.0, max_new_tokens=32, sample_dtype="auto",
-                       retire=True),
+                       retire=True, buckets=4),
     proj=ProjCfg(pairs_per_problem=1),
     optim=OptimCfg(lr=0.1, betas=(0.9, 0.99), warmup_steps=3),
     run=RunCfg(steps=200, checkpoint_every=25, eval_every=10),

@@ -129,7 +129,8 @@ def train(cfg: C.Config, env=None) -> dict:
     with dist.main_first():
         model, tok = setup.load_model(cfg)
         knobs = setup.wrap_knobs(cfg, model)
-    score = scoring(model, cfg.rollout.share_prefix)  # each group's prompt run once, or per row (packed)
+    # each group's prompt run once (its completions in up to rollout.buckets like-length forwards), or per row
+    score = scoring(model, cfg.rollout.share_prefix, cfg.rollout.buckets)
     with contextlib.closing(env or setup.make_env(cfg)) as env:
         data = session.open_data(cfg, env, tok, run_dir)  # prompts, teacher pool, cursors
         opt = torch.optim.AdamW([{"params": knobs.parameters()}, {"params": knobs.hack_parameters()}],

@@ -151,3 +151,39 @@ def pad_right(rows: Sequence[Sequence[float] | Tensor | None], T: int, value: fl
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """(N, L) positions counting only attended tokens, so a left-padded row is scored as if unpadded."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def length_buckets(lens: Sequence[int], k: int) -> list[list[int]]:
+    """The rows of lengths `lens` (N,) in at most k buckets of like length, so that padding each bucket to its
+    own longest row costs the fewest padded positions, sum over buckets of |bucket| * its longest.
+
+    Buckets are runs of the rows sorted by length (an optimal partition is one: moving a row to the bucket of
+    its length neighbours never adds padding), found by dynamic programming over the sorted lengths, O(k N²);
+    each bucket lists its rows in their original order, buckets from the shortest. k = 1 (or every length
+    equal): one bucket of all rows in order. A bucket is never empty; fewer than k come back when more would
+    not save a position."""
+    N = len(lens)
+    if k < 1 or N == 0:
+        raise ValueError(f"length_buckets: need k >= 1 and at least one row, got k={k}, {N} rows")
+    if k == 1 or len(set(lens)) == 1:
+        return [list(range(N))]
+    order = sorted(range(N), key=lambda i: (lens[i], i))
+    L = [lens[i] for i in order]  # ascending: a bucket of sorted rows a..b-1 costs (b - a) * L[b - 1]
+    INF = float("inf")
+    # best[j][b]: least cost of the first b sorted rows in j buckets; cut[j][b]: where the last bucket starts
+    best = [[INF] * (N + 1) for _ in range(k + 1)]
+    cut = [[0] * (N + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for j in range(1, k + 1):
+        for b in range(1, N + 1):
+            for a in range(j - 1, b):
+                c = best[j - 1][a] + (b - a) * L[b - 1]
+                if c < best[j][b]:  # strict: among equal costs the fewest buckets, the earliest cuts
+                    best[j][b], cut[j][b] = c, a
+    j = min(range(1, k + 1), key=lambda j: (best[j][N], j))
+    bounds, b = [], N
+    while j > 0:
+        a = cut[j][b]
+        bounds.append((a, b))
+        b, j = a, j - 1
+    return [sorted(order[a:b]) for a, b in reversed(bounds)]

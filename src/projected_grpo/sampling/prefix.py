@@ -16,19 +16,29 @@ forward), sampling (generate.generate).
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from projected_grpo.knobs.checkpointing import recomputing
 from projected_grpo.objective.logprobs import entropy_from_logits, token_logprobs
 from projected_grpo.sampling.kv_cache import with_cache
-from projected_grpo.sampling.pack import Ids, SeqBatch, as_ids, left_pad, pack, position_ids_from_mask
+from projected_grpo.sampling.pack import (
+    Ids,
+    SeqBatch,
+    as_ids,
+    left_pad,
+    length_buckets,
+    pack,
+    position_ids_from_mask,
+)
 from projected_grpo.sampling.score import accepts_logits_to_keep, forward_logprobs
 
 
@@ -136,13 +146,17 @@ def _cache(model, layers: list[DynamicLayer]) -> _ReplaySafeCache:
 
 
 def prefix_logprobs(model, batch: PrefixBatch, *, temperature: float = 1.0, with_entropy: bool = False,
-                    capture=None) -> tuple[Tensor, Tensor | None]:
+                    capture=None, buckets: int = 1) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs (N, T) of the completion tokens (and detached entropies (N, T) when
     `with_entropy`), as score.forward_logprobs gives on the packed batch; 0 outside completion_mask.
 
     capture: the open `Knobs.capture(is_student)` of this forward, if any; its is_student must be the
     sequences' sources (batch.prefix_student[batch.owner]). The prompt rows' forward runs under its
-    `rows(prefix_student)`, so their knob gradients are split by source too."""
+    `rows(prefix_student)`, so their knob gradients are split by source too.
+    buckets: the completions run in at most this many forwards of like-length rows (pack.length_buckets),
+    each padded to its own longest row instead of all to the batch's: the same log-probs and gradients up
+    to fp32 rounding, without the padded positions' work (rollout.buckets). 1: one forward of all N rows,
+    as before it existed."""
     N, T = batch.completion_ids.shape
     owner = batch.owner
     if capture is not None and not torch.equal(capture.is_student.to(owner.device),
@@ -156,30 +170,52 @@ def prefix_logprobs(model, batch: PrefixBatch, *, temperature: float = 1.0, with
         out = model(input_ids=batch.prefix_ids, attention_mask=batch.prefix_mask,
                     position_ids=position_ids_from_mask(batch.prefix_mask), use_cache=True,
                     **with_cache(model, cache), **keep)
-    parts = [out.logits[:, -1:].index_select(0, owner)]  # (N, 1, V): predicts completion token 0
-    # 2. the completions but their last token (it predicts nothing) on the prompts' keys/values
-    if T > 1:
-        shared = _cache(model, [_SharedLayer(layer.keys, layer.values, owner) for layer in cache.layers])
-        c_mask = batch.completion_mask[:, :T - 1].to(batch.prefix_mask.dtype)
-        start = batch.prefix_mask.sum(1).index_select(0, owner)  # (N,) real prompt length = next position
-        pos = start[:, None] + torch.arange(T - 1, device=owner.device)  # as position_ids_from_mask counts
-        out = model(input_ids=batch.completion_ids[:, :T - 1],
-                    attention_mask=torch.cat([batch.prefix_mask.index_select(0, owner), c_mask], 1),
-                    position_ids=pos, use_cache=True, **with_cache(model, shared))
-        parts.append(out.logits)  # (N, T - 1, V)
+    first = out.logits[:, -1:].index_select(0, owner)  # (N, 1, V): predicts completion token 0
     real = batch.completion_mask > 0
     zero = torch.zeros((), dtype=torch.float32, device=real.device)
-    starts = [0, 1][:len(parts)]
-    # per part, never one concatenated (N, T, V) logits copy; where, not multiply: a masked inf reads 0
-    logp = torch.cat([token_logprobs(lg, batch.completion_ids[:, s:s + lg.shape[1]], temperature=temperature)
-                      for s, lg in zip(starts, parts)], 1)
-    logp = torch.where(real, logp, zero)
-    entropy = None
-    if with_entropy:  # a metric: no graph (the loss's backward never frees an unused branch's saved logits)
-        with torch.no_grad():
-            entropy = torch.where(real, torch.cat([entropy_from_logits(lg, temperature=temperature)
-                                                   for lg in parts], 1), zero)
-    return logp, entropy
+    logp = [token_logprobs(first, batch.completion_ids[:, :1], temperature=temperature)]  # (N, 1)
+    entropy = [_entropy(first, temperature)] if with_entropy else []
+    # 2. the completions but their last token (it predicts nothing) on the prompts' keys/values, in buckets
+    # of like length (one bucket: all rows in order); each bucket's (n, T_b - 1) results padded to T - 1
+    if T > 1:
+        lens = batch.completion_mask.sum(1).long().tolist()
+        groups = length_buckets(lens, buckets)
+        start = batch.prefix_mask.sum(1)  # (M,) real prompt length = the completion's first position
+        parts, ent_parts = [], []
+        for rows in groups:
+            idx = torch.tensor(rows, device=owner.device)
+            o = owner.index_select(0, idx)
+            Tb = max(lens[i] for i in rows) if len(groups) > 1 else T
+            if Tb == 1:  # one-token completions: scored from the prompt's last position alone
+                parts.append(torch.zeros((len(rows), T - 1), device=owner.device))
+                ent_parts += parts[-1:] if with_entropy else []
+                continue
+            shared = _cache(model, [_SharedLayer(layer.keys, layer.values, o) for layer in cache.layers])
+            ids = batch.completion_ids.index_select(0, idx)[:, :Tb]
+            c_mask = batch.completion_mask.index_select(0, idx)[:, :Tb - 1].to(batch.prefix_mask.dtype)
+            pos = start.index_select(0, o)[:, None] + torch.arange(Tb - 1, device=o.device)
+            sources = batch.prefix_student.index_select(0, o)
+            with contextlib.nullcontext() if capture is None or len(groups) == 1 else capture.rows(sources):
+                out = model(input_ids=ids[:, :Tb - 1],
+                            attention_mask=torch.cat([batch.prefix_mask.index_select(0, o), c_mask], 1),
+                            position_ids=pos, use_cache=True, **with_cache(model, shared))
+            pad = (0, T - Tb)  # (n, Tb - 1) -> (n, T - 1): the padded positions are masked to 0 below
+            parts.append(F.pad(token_logprobs(out.logits, ids[:, 1:], temperature=temperature), pad))
+            if with_entropy:
+                ent_parts.append(F.pad(_entropy(out.logits, temperature), pad))
+        back = torch.tensor([i for rows in groups for i in rows], device=owner.device).argsort()
+        logp.append(torch.cat(parts).index_select(0, back))  # the buckets' rows back in batch order
+        if with_entropy:
+            entropy.append(torch.cat(ent_parts).index_select(0, back))
+    # where, not multiply: a masked inf reads 0
+    logp_out = torch.where(real, torch.cat(logp, 1), zero)
+    return logp_out, torch.where(real, torch.cat(entropy, 1), zero) if with_entropy else None
+
+
+def _entropy(logits: Tensor, temperature: float) -> Tensor:
+    """A metric: no graph (the loss's backward never frees an unused branch's saved logits)."""
+    with torch.no_grad():
+        return entropy_from_logits(logits, temperature=temperature)
 
 
 # --- the scoring forward of the training step, chosen once ------------------------------------------
@@ -207,11 +243,16 @@ SCORINGS: dict[str, Scoring] = {
 }
 
 
-def scoring(model, share_prefix: bool) -> Scoring:
+def scoring(model, share_prefix: bool, buckets: int = 1) -> Scoring:
     """The training step's scoring forward (rollout.share_prefix): prefix-shared when asked and the model
-    supports it, else packed (said on stderr when asked for but unsupported)."""
+    supports it, its completions in up to `buckets` like-length forwards (rollout.buckets), else packed (said
+    on stderr when asked for but unsupported)."""
     if share_prefix and not supported(model):
         print(f"rollout.share_prefix: {type(model).__name__} has cache layers other than full attention "
               "(sliding window, linear attention) or no transformers config; scoring with the packed "
               "forward", file=sys.stderr)
-    return SCORINGS["prefix" if share_prefix and supported(model) else "packed"]
+    if not (share_prefix and supported(model)):
+        return SCORINGS["packed"]
+    chosen = SCORINGS["prefix"]
+    return chosen if buckets == 1 else chosen._replace(logprobs=functools.partial(chosen.logprobs,
+                                                                                  buckets=buckets))
