@@ -144,8 +144,8 @@ class RolloutCfg:
     `model`; resolved when the run starts (config.json holds which)"""
     retire: bool = False
     """drop finished rows from the decode batch (sampling/generate.py), so each token costs only the rows
-    still decoding: SmolLM2's maths sampling 1.06x faster with untrained answers, 1.34x with answers
-    ending near 20 of 32 tokens, the organism's 1.27x (docs/benchmarks.md). The same draws from the same
+    still decoding: SmolLM2's maths sampling 1.05x faster with untrained answers, 1.27-1.34x with answers
+    ending near 20 of 32 tokens, the organism's 1.22-1.27x (docs/benchmarks.md). The same draws from the same
     distributions, but a row's later tokens come from a smaller batch, which some kernels round differently
     (the organism's fp32 at 2 threads; bf16 at a few rows), so the sampled stream is not the unretired one
     bit for bit: off by default, keeping the streams of earlier runs (smollm2-math-cpu sets it)"""
@@ -153,8 +153,10 @@ class RolloutCfg:
     """with share_prefix, the training step's scoring forwards run each micro-batch's completions in up to
     this many forwards of like-length rows, each padded to its own longest row (sampling/prefix.py,
     pack.length_buckets) rather than all to the longest: the same log-probs and gradients up to fp32
-    rounding, without the padded positions' work (docs/benchmarks.md). 1: one forward, bit for bit as
-    before it existed (the default, so earlier runs keep their bits; smollm2-math-cpu sets 4)"""
+    rounding, without the padded positions' work (4 buckets: SmolLM2's maths scoring 1.10x faster with
+    untrained answers, 1.28x with answers near 20 of 32 tokens, the organism's 1.31x; docs/benchmarks.md).
+    1: one forward, bit for bit as before it existed (the default, so earlier runs keep their bits;
+    smollm2-math-cpu sets 4)"""
     cuda_graph: bool = False
     """on a GPU, decode each token by replaying one CUDA graph of the whole step (sampling/graphed.py): the
     step is launch-bound there (docs/benchmarks.md, "On a GPU"); needs model.device cuda and sample_dtype

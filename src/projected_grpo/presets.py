@@ -110,9 +110,11 @@ SMOLLM2_GPU = Config(
 # experiment on a CPU: 4 prompts x a group of 8 per step, answers within 32 tokens, the students sampled
 # from bf16 weights where the CPU has bf16 kernels (AVX-512 or AMX), else from packed fp32 ones
 # (rollout.sample_dtype auto, sampling/packed.py: bf16 without those kernels: 2.4x the step; sample/kl
-# logs the ratio that bf16 leaves uncorrected), finished rows retired from the decode batch (rollout.retire:
-# 1.06-1.34x the sampling; before 2026-11-27 this preset sampled bf16 on every CPU and decoded every row to
-# the end: --rollout.sample-dtype bfloat16 --rollout.no-retire reproduces those runs),
+# logs the ratio that bf16 leaves uncorrected). Padding costs nothing it need not: finished rows leave the
+# decode batch (rollout.retire: sampling 1.05-1.34x faster) and the training forward runs the completions in
+# like-length buckets (rollout.buckets: 1.10-1.28x), more as answers shorten. Before 2026-11-27 this preset
+# sampled bf16 on every CPU and padded both: `--rollout.sample-dtype bfloat16 --rollout.no-retire
+# --rollout.buckets 1` reruns those runs as they ran.
 # SVD knobs of rank 16 (low-rank: trained unmerged, no W_eff held; 3360 knob values, so V_hack's per-pair
 # gradients stay small: LoRA r16's are 2.5M per pair), held-out accuracy on 50 problems of the training
 # levels every 10 steps. Levels 1-2 and lr 0.1 are where the honest reward trains it (docs/findings.md
