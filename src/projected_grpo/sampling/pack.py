@@ -5,7 +5,8 @@ student rollouts and teacher pool rows, so teacher sequences come from stored id
 re-tokenised from text. Every forward of the project (sampling's prefill, the scoring forward, the
 prefix-shared forward, V_hack's pair gradients, the organism's warm-up) reads this one layout. Token ids
 travel from sampling to here as (T,) torch.long CPU tensors (`as_ids`); the tokenizer helpers below return
-the tokenizer's int lists, made tensors once where a prompt table is built.
+the tokenizer's int lists, made tensors once where a prompt table is built. `length_buckets` splits rows into
+like-length buckets that pad least (the prefix-shared scoring forward's rollout.buckets).
 """
 
 from __future__ import annotations
