@@ -185,7 +185,7 @@ def prefix_logprobs(model, batch: PrefixBatch, *, temperature: float = 1.0, with
         for rows in groups:
             idx = torch.tensor(rows, device=owner.device)
             o = owner.index_select(0, idx)
-            Tb = max(lens[i] for i in rows) if len(groups) > 1 else T
+            Tb = max(lens[i] for i in rows)  # T itself for one bucket (pack_prefix pads to the longest)
             if Tb == 1:  # one-token completions: scored from the prompt's last position alone
                 parts.append(torch.zeros((len(rows), T - 1), device=owner.device))
                 ent_parts += parts[-1:] if with_entropy else []
@@ -194,8 +194,8 @@ def prefix_logprobs(model, batch: PrefixBatch, *, temperature: float = 1.0, with
             ids = batch.completion_ids.index_select(0, idx)[:, :Tb]
             c_mask = batch.completion_mask.index_select(0, idx)[:, :Tb - 1].to(batch.prefix_mask.dtype)
             pos = start.index_select(0, o)[:, None] + torch.arange(Tb - 1, device=o.device)
-            sources = batch.prefix_student.index_select(0, o)
-            with contextlib.nullcontext() if capture is None or len(groups) == 1 else capture.rows(sources):
+            sources = batch.prefix_student.index_select(0, o)  # = capture.is_student[idx]
+            with contextlib.nullcontext() if capture is None else capture.rows(sources):
                 out = model(input_ids=ids[:, :Tb - 1],
                             attention_mask=torch.cat([batch.prefix_mask.index_select(0, o), c_mask], 1),
                             position_ids=pos, use_cache=True, **with_cache(model, shared))
