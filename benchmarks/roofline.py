@@ -4,10 +4,12 @@ Absolute tokens/s differ between machines; the fraction of what this machine all
 process, in rounds (the CPU is shared: each round's figures are taken beside its own probes):
   probes     sustained matmul rate, fp32 and bf16 (F.linear at the training step's shapes, best of 5; bf16
              only counts where torch reports bf16 units), and memory read bandwidth (sum over 512 MiB);
-  sampling   `generate` of one prompt x G_s samples x T tokens (EOS off, so every row is T tokens) with the
-             knobs merged, as the rollout step calls it (rollout.sample_dtype and share_prefix of the config);
-  training   the step's merge of W_eff and the train loop's forward + backward on those rows plus a teacher
-             row (prefix-shared scoring, the per-source capture, the clipped surrogate: run/train.py's body).
+  sampling   `generate` of the step's B prompts x G_s samples x T tokens in one batch (EOS off, so every row
+             is T tokens) with the knobs merged, as the rollout step calls it (B = rollout.prompts_per_step,
+             or --prompts; rollout.sample_dtype and share_prefix of the config);
+  training   the step's merge of W_eff and the train loop's forward + backward on the first prompt's rows
+             plus a teacher row (one micro-batch of one prompt: prefix-shared scoring, the per-source
+             capture, the clipped surrogate: run/train.py's body).
 Bounds (all work counted, nothing assumed free; attention included; each dtype at its own measured rate):
   sampling   prefill: FLOPs / rate; each decode step: max(FLOPs / rate, bytes / bandwidth), its bytes every
              weight in the sampling dtype and the KV cache read so far. The packing of the bf16 weights is
@@ -113,20 +115,20 @@ def prefill_bound(model, P: int, rate: float) -> float:
     return (P * 2 * sum(o * i for o, i in body) + 2 * V * E + 2 * H * D * P * P * L) / (rate * 1e9)
 
 
-def sample_bound(model, P: int, N: int, T: int, rate: float, bw: float, nbytes: int) -> float:
-    """Seconds this machine needs at least to sample N rows x T tokens after one prompt of P tokens
-    (prefill shared), with weights of `nbytes` bytes per element, at `rate` GFLOP/s and `bw` GB/s."""
+def sample_bound(model, Ps: list[int], N: int, T: int, rate: float, bw: float, nbytes: int) -> float:
+    """Seconds this machine needs at least to sample N rows x T tokens after each prompt of Ps (P_b tokens;
+    each prefill shared by its N rows, all B * N rows decoded together), with weights of `nbytes` bytes per
+    element, at `rate` GFLOP/s and `bw` GB/s."""
     body, (V, E) = linear_shapes(model)
     c = model.config
     L, H, Hkv = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
     D = E // H
     per_tok = 2 * sum(o * i for o, i in body)
     weight_bytes = nbytes * (sum(o * i for o, i in body) + V * E)
-    t = prefill_bound(model, P, rate)
+    t = sum(prefill_bound(model, P, rate) for P in Ps)
     for j in range(1, T):  # T tokens need T - 1 decode steps (the first comes from the prefill)
-        n = P + j
-        flops = N * (per_tok + 2 * V * E + 4 * H * D * n * L)
-        moved = weight_bytes + N * 2 * L * Hkv * D * n * nbytes
+        flops = sum(N * (per_tok + 2 * V * E + 4 * H * D * (P + j) * L) for P in Ps)
+        moved = weight_bytes + sum(N * 2 * L * Hkv * D * (P + j) * nbytes for P in Ps)
         t += max(flops / (rate * 1e9), moved / (bw * 1e9))
     return t
 
@@ -213,6 +215,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=0, help="new tokens per sample (0: the preset's)")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts sampled together (0: the preset's "
+                    "rollout.prompts_per_step, as its rollout step samples them)")
     ap.add_argument("--sample-dtype", default="",
                     help="override rollout.sample_dtype (model, float32, bfloat16, auto)")
     opt, overrides = ap.parse_known_args()
@@ -229,10 +233,13 @@ def main() -> None:
         for p in knobs.parameters():
             p.normal_(0.0, 1e-3)
     env = setup.make_env(cfg)
-    problem = env.problem_sets()["train"][0]
-    prompt = setup.prompt_table(env, tok, [problem])[problem.id][1]
-    teacher = as_ids(encode_completion(tok, env.templates(problem, "hack")[0]))
+    problems = env.problem_sets()["train"][:opt.prompts or cfg.rollout.prompts_per_step]
+    table = setup.prompt_table(env, tok, problems)
+    prompts = [table[p.id][1] for p in problems]
+    prompt, Ps = prompts[0], [len(q) for q in prompts]
+    teacher = as_ids(encode_completion(tok, env.templates(problems[0], "hack")[0]))
     T, N = opt.new or cfg.rollout.max_new_tokens, cfg.rollout.G_s
+    B = len(prompts)
     dt = SAMPLE_DTYPES[concrete_dtype(cfg.rollout.sample_dtype, DEVICE)]
     model_dt = next(model.parameters()).dtype
     sample_dt = dt or model_dt
@@ -241,8 +248,9 @@ def main() -> None:
     student = torch.tensor([True] * N + [False])
     graph = ", CUDA graph" if cfg.rollout.cuda_graph else ""
     print(f"model {cfg.model.path}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters; "
-          f"prompt {len(prompt)} tokens, {N} samples x {T} new tokens (sampling in {sample_dt}{graph}), "
-          f"+1 teacher row of {len(teacher)} tokens; "
+          f"{B} prompt(s) of {Ps} tokens, {N} samples each x {T} new tokens "
+          f"(sampling in {sample_dt}{graph}), "
+          f"training on the first's + 1 teacher row of {len(teacher)} tokens; "
           + (torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else f"{torch.get_num_threads()} "
              "thread(s)"))
     rows = []
@@ -256,19 +264,19 @@ def main() -> None:
 
         def sample(seed=r):
             with torch.no_grad(), knobs.merged():
-                return generate(model, [prompt], N, max_new_tokens=T, seed=seed, eos_id=[],
+                return generate(model, prompts, N, max_new_tokens=T, seed=seed, eos_id=[],
                                 pad_id=tok.pad_token_id, share_prefill=cfg.rollout.share_prefix,
                                 sample_dtype=dt, cuda_graph=cfg.rollout.cuda_graph)
 
         for m in knobs.modules.values():  # not timed here: the merge is the training side's (below)
             m.weight_eff()
         s_cpu, s_wall, ro = _timed(sample)
-        comps = ro.completion_ids + [teacher]
-        s_bound = sample_bound(model, len(prompt), N, T, rate, pr["bw"], nbytes)
-        s_bound_wall = sample_bound(model, len(prompt), N, T, pr[s_key + " wall"],
-                                    pr["bw wall"], nbytes)
+        comps = ro.completion_ids[:N] + [teacher]  # the first prompt's rows (prompt-major)
+        s_bound = sample_bound(model, Ps, N, T, rate, pr["bw"], nbytes)
+        s_bound_wall = sample_bound(model, Ps, N, T, pr[s_key + " wall"], pr["bw wall"], nbytes)
         # the sampler's own matmul kernel, alone: what the fraction could be with no other cost
-        s_ceiling = prefill_bound(model, len(prompt), rate) + (T - 1) * kernel_step(model, N, dt)
+        s_ceiling = (sum(prefill_bound(model, P, rate) for P in Ps)
+                     + (T - 1) * kernel_step(model, B * N, dt))
 
         def train(comps=comps):
             with torch.no_grad():
@@ -284,7 +292,8 @@ def main() -> None:
         t_bound = train_bound(model, knobs, segments, head, pr[t_key])
         t_bound_wall = train_bound(model, knobs, segments, head, pr[t_key + " wall"])
         row = {"fp32": pr["torch.float32"], "bf16": pr.get("torch.bfloat16", 0.0), "bw": pr["bw"],
-               "tok_s": N * T / s_wall, "tok_s_cpu": N * T / s_cpu, "bound_tok_s": N * T / s_bound,
+               "tok_s": B * N * T / s_wall, "tok_s_cpu": B * N * T / s_cpu,
+               "bound_tok_s": B * N * T / s_bound,
                "sample": s_bound / s_cpu, "sample_wall": s_bound_wall / s_wall,
                "kernel": s_bound / s_ceiling, "of_kernel": s_ceiling / s_cpu,
                "train_s": t_cpu, "train_bound_s": t_bound, "train": t_bound / t_cpu,
