@@ -119,7 +119,9 @@ SMOLLM2_GPU = Config(
 # gradients stay small: LoRA r16's are 2.5M per pair), held-out accuracy on 50 problems of the training
 # levels every 10 steps. Levels 1-2 and lr 0.1 are where the honest reward trains it (docs/findings.md
 # 8.7-8.9: on level 3 almost no sample is solved; at lr 3e-3 the knobs barely move SmolLM2's singular values).
-# Step time and the roofline fraction: docs/benchmarks.md ("Current figures").
+# Step time on 2 cores, untrained (answers near 32 tokens; shorter answers later make steps ~1.4x faster):
+# 13.8 s on an AVX2 CPU, ~10 s with bf16 sampling on AVX-512; sampling at 0.58 of the machine's roofline
+# (docs/benchmarks.md, "Current figures").
 SMOLLM2_MATH_CPU = Config(
     model=ModelCfg(source="hf", path="smollm2", knob="svd", rank=16),
     env=EnvCfg(name="maths", problems="arithmetic", modes=("strict",), curriculum_steps=10, eval_size=50,
