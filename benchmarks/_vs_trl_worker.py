@@ -243,12 +243,16 @@ def run_trl(spec: dict) -> dict:
             if logs and "completions/mean_length" in logs:
                 logs_seen.append(dict(logs))
 
+    rows = spec["B"] * spec["G"]
+    micro = spec.get("trl_micro") or rows  # rows per micro-batch; accumulated to the step's rows
+    if rows % micro:
+        raise ValueError(f"--trl-micro {micro} must divide the step's {rows} rows")
     args = GRPOConfig(
         output_dir=str(pathlib.Path(spec["tmp"]) / f"trl-{os.getpid()}"),
         use_cpu=spec.get("device", "cpu") == "cpu", bf16=spec.get("dtype", "float32") == "bfloat16",
-        fp16=False, per_device_train_batch_size=spec["B"] * spec["G"], num_generations=spec["G"],
-        gradient_accumulation_steps=1, max_completion_length=spec["max_new"], temperature=1.0, top_p=1.0,
-        top_k=0, learning_rate=spec["lr"], beta=spec["beta"], loss_type=spec["loss"],
+        fp16=False, per_device_train_batch_size=micro, num_generations=spec["G"],
+        gradient_accumulation_steps=rows // micro, max_completion_length=spec["max_new"], temperature=1.0,
+        top_p=1.0, top_k=0, learning_rate=spec["lr"], beta=spec["beta"], loss_type=spec["loss"],
         scale_rewards="none" if spec["loss"] == "dr_grpo" else "group",
         epsilon=0.2, max_grad_norm=1.0, max_steps=spec["steps"], logging_steps=1, save_strategy="no",
         report_to="none", seed=spec["seed"], disable_tqdm=True, dataloader_num_workers=0,

@@ -294,7 +294,10 @@ def main() -> None:
                     "weights in that dtype, sampling/packed.py; auto: bf16 where the CPU has bf16 kernels, "
                     "else fp32; TRL samples in fp32 either way)")
     ap.add_argument("--micro", type=int, default=0, help="ours: rollout.micro_prompts (prompts per "
-                    "forward/backward micro-batch; 0: all at once). TRL runs the step's rows in one batch")
+                    "forward/backward micro-batch; 0: all at once). TRL: --trl-micro")
+    ap.add_argument("--trl-micro", type=int, default=0, help="TRL: rows per micro-batch N (the step's B x G "
+                    "rows as B x G / N accumulated micro-batches after one generation; 0: all in one batch, "
+                    "gradient_accumulation_steps 1)")
     ap.add_argument("--cuda-graph", type=int, default=0, help="ours: rollout.cuda_graph (1: each decode step "
                     "replayed from a CUDA graph, sampling/graphed.py; --device cuda only)")
     ap.add_argument("--profile", action="store_true",
@@ -333,6 +336,7 @@ def main() -> None:
                 "B": opt.prompts, "G": opt.group, "max_new": opt.max_new, "lr": opt.lr, "steps": opt.steps,
                 "seed": 0, "threads": opt.threads, "ckpt": bool(opt.ckpt),
                 "share_prefix": bool(opt.share_prefix), "sample_dtype": opt.sample_dtype, "micro": opt.micro,
+                "trl_micro": opt.trl_micro,
                 "device": opt.device, "dtype": opt.dtype, "cuda_graph": bool(opt.cuda_graph)}
         cells = [(lo, float(b)) for lo in opt.losses.split(",") for b in opt.betas.split(",")]
         # each distinct trainer setting runs once per (rep, cell), shared by the pairings that use it
@@ -343,7 +347,8 @@ def main() -> None:
                 sides.setdefault(side_name(trainer, spec), spec)
         print(f"\n== timing: {what}, B={opt.prompts} G={opt.group} max_new={opt.max_new} lr={opt.lr}, "
               f"{opt.steps} steps x {opt.reps} runs per cell, {opt.threads} thread(s); ours: ckpt={opt.ckpt} "
-              f"micro={opt.micro} sample_dtype={opt.sample_dtype}; sides: "
+              f"micro={opt.micro} sample_dtype={opt.sample_dtype}; TRL: rows per micro-batch "
+              f"{opt.trl_micro or opt.prompts * opt.group}; sides: "
               f"{', '.join(sides)} ==")
         # warm-up: ours caches its SVDs on first use; that one-off is not timed
         for name, side in sides.items():
