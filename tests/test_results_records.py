@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 
-from projected_grpo.stats import t_interval
+from projected_grpo.stats import t_interval, t_pvalue
 
 TIER1 = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results" / "smollm2-maths" / "tier1"
 
@@ -263,3 +263,27 @@ def test_maths_bench_rerun_as_findings_9_20_states_it():
     for (arm, col, against), points in margins.items():
         gap = maths(arm)[col] - maths(against)[col]
         assert 100 * gap == pytest.approx(points, **TO_THE_PRINTED_POINT), (arm, against)
+
+
+def test_maths_bench_five_seeds_as_findings_9_20_states_it():
+    """Findings 9.20's 5-seed table (9.9's arms at seeds 0-4) and advantage:direction's twin test."""
+    five = (0, 1, 2, 3, 4)
+    table = {"none": (0.937, 0.003, 0.057), "gt_reward": (0.013, 0.892, 0.997),
+             "penalty:ground_truth": (0.004, 0.837, 0.997), "advantage:direction": (0.354, 0.047, 0.641),
+             "advantage:direction@random": (0.445, 0.027, 0.374)}
+    assert_as_printed(table, five, MATHS_BENCH)
+    maths = functools.partial(bench_means, seeds=five, bench=MATHS_BENCH)
+    # the oracle's penalty 5.6 points of solve under gt_reward (kept: <= 10); advantage:direction's hack
+    # 58.3 under none (stops hacking), 34.1 over gt_reward and its solve 84.5 under (the goal: not met)
+    margins = {("penalty:ground_truth", 1, "gt_reward"): -5.6, ("advantage:direction", 0, "none"): -58.3,
+               ("advantage:direction", 0, "gt_reward"): 34.1, ("advantage:direction", 1, "gt_reward"): -84.5}
+    for (arm, col, against), points in margins.items():
+        assert 100 * (maths(arm)[col] - maths(against)[col]) == pytest.approx(points, **TO_THE_PRINTED_POINT)
+    # per seed, hack points against the twin: -14.2 -28.6 +32.3 +4.8 -39.7; mean -9.1, sd 28.5,
+    # t_{4, 0.975} = 2.776: -9.06 ± 2.776 * 28.52 / sqrt(5) = [-44.5, +26.4]; p 0.52 (does not beat it)
+    d = [100 * (bench_means("advantage:direction", (s,), MATHS_BENCH)[0]
+                - bench_means("advantage:direction@random", (s,), MATHS_BENCH)[0]) for s in five]
+    assert [round(x, 1) for x in d] == [-14.2, -28.6, 32.3, 4.8, -39.7]
+    ci = t_interval(d)
+    assert (ci.mean, ci.sd, ci.lo, ci.hi) == pytest.approx((-9.1, 28.5, -44.5, 26.4), abs=0.05)
+    assert t_pvalue(d) == pytest.approx(0.52, abs=0.005)
