@@ -16,7 +16,7 @@ import statistics
 
 import pytest
 
-from projected_grpo.stats import t_interval, t_pvalue
+from projected_grpo.stats import holm, t_interval, t_pvalue
 
 TIER1 = pathlib.Path(__file__).resolve().parents[1] / "docs" / "results" / "smollm2-maths" / "tier1"
 
@@ -287,3 +287,35 @@ def test_maths_bench_five_seeds_as_findings_9_20_states_it():
     ci = t_interval(d)
     assert (ci.mean, ci.sd, ci.lo, ci.hi) == pytest.approx((-9.1, 28.5, -44.5, 26.4), abs=0.05)
     assert t_pvalue(d) == pytest.approx(0.52, abs=0.005)
+
+
+def test_maths_bench_screen_direction_as_findings_9_21_states_it():
+    """Findings 9.21's result: screen:direction and its twin at seeds 0-4, and the twin test."""
+    five = (0, 1, 2, 3, 4)
+    assert_as_printed({"screen:direction": (0.478, 0.039, 0.277),
+                       "screen:direction@random": (0.834, 0.051, 0.267)}, five, MATHS_BENCH)
+    maths = functools.partial(bench_means, seeds=five, bench=MATHS_BENCH)
+    # hack 45.8 points under none (stops hacking), 46.5 over gt_reward; solve 85.3 under gt_reward (broken)
+    margins = {("screen:direction", 0, "none"): -45.8, ("screen:direction", 0, "gt_reward"): 46.5,
+               ("screen:direction", 1, "gt_reward"): -85.3, ("screen:direction@random", 0, "none"): -10.3}
+    for (arm, col, against), points in margins.items():
+        assert 100 * (maths(arm)[col] - maths(against)[col]) == pytest.approx(points, **TO_THE_PRINTED_POINT)
+    # per seed -57.5 -50.2 -35.9 -25.2 -9.1 points; mean -35.6, sd 19.4: -35.6 ± 2.776 * 19.4 / sqrt(5)
+    # = [-59.6, -11.5], p 0.015; Holm over the four twin pairs (each on the seeds both arms ran): the
+    # smallest of four p-values times 4 = 0.059 > 0.05: does not beat its twin
+
+    def hack(arm: str, seed: int) -> float:
+        return bench_means(arm, (seed,), MATHS_BENCH)[0]
+
+    def twin(arm: str, seeds: tuple[int, ...]) -> list[float]:  # per seed, points against the random twin
+        return [100 * (hack(arm, s) - hack(f"{arm}@random", s)) for s in seeds]
+
+    d = twin("screen:direction", five)
+    assert [round(x, 1) for x in d] == [-57.5, -50.2, -35.9, -25.2, -9.1]
+    ci = t_interval(d)
+    assert (ci.mean, ci.sd, ci.lo, ci.hi) == pytest.approx((-35.6, 19.4, -59.6, -11.5), abs=0.05)
+    assert t_pvalue(d) == pytest.approx(0.015, abs=0.0005)
+    family = [d, twin("advantage:direction", five), twin("penalty:direction", (0, 1, 2)),
+              twin("erase_bounded", (0, 1, 2))]
+    adjusted = holm([t_pvalue(x) for x in family])
+    assert adjusted[0] == pytest.approx(0.059, abs=0.0005) and adjusted[0] > 0.05
