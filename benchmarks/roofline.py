@@ -17,8 +17,9 @@ Bounds (all work counted, nothing assumed free; attention included; each dtype a
   training   FLOPs / fp32 rate of: the forward, the input-gradient backward (frozen weights: no weight
              gradient), each knob gradient in its cheaper form (thin or through the weight gradient), and
              the W_eff merge (a full-rank SVD knob is merged once per step).
-The sampler's kernel alone: each decode step's projections timed in the sampler's own matmul kernel (oneDNN's
-prepacked linear, or F.linear for exact sampling) at its row count, weights read from memory, plus the
+The sampler's kernel alone: each decode step's projections timed in the sampler's own matmul kernel
+(packed.PackedLinear's: the blocked few-row kernel for fp32, oneDNN's prepacked one for bf16; F.linear for
+exact sampling) at its row count, weights read from memory, plus the
 prefill's bound: the most the sampling fraction could be with that kernel and no other cost (printed beside
 it with ours as a fraction of it; not in the RESULT line).
 The fractions are CPU-time ratios (process CPU time of this one-thread process, probes included), so a
@@ -148,9 +149,10 @@ def decode_shapes(model) -> dict[tuple[int, int], int]:
 
 def kernel_step(model, rows: int, dtype: torch.dtype | None) -> float:
     """CPU seconds one decode step's projections take in the sampler's own matmul kernel at `rows` rows, and
-    nothing else: oneDNN's prepacked linear in `dtype` (packed.PackedLinear), or F.linear in the model's
-    dtype for exact sampling (dtype None; always on CUDA). Each shape is timed over copies of its weight that
-    together exceed the caches (256 MB), best of 3, as a decode step reads them: once each, from memory."""
+    nothing else: packed.PackedLinear's kernel in `dtype` (gemv.py's for fp32, oneDNN's for bf16), or
+    F.linear in the model's dtype for exact sampling (dtype None; always on CUDA). Each shape is timed over
+    copies of its weight that together exceed the caches (256 MB), best of 3, as a decode step reads them:
+    once each, from memory."""
     total, dt = 0.0, dtype or next(model.parameters()).dtype
     for (d_out, d_in), count in decode_shapes(model).items():
         copies = max(2, int(256e6 // (d_out * d_in * dt.itemsize)))

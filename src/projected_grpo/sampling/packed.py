@@ -5,22 +5,24 @@ decode) over bf16 (or fp32) copies of the policy's weights, knobs merged (rollou
 A decode step of a small model reads every weight once per token for a handful of rows, so its speed is the
 memory traffic of the weights (docs/benchmarks.md, roofline): bf16 halves it, and on a CPU with bf16 units
 oneDNN's bf16 kernels are also faster per row than fp32 ones. `PackedLM(model, rows, dtype)` copies the
-weights once per `generate` call: each projection in `dtype`, prepacked for oneDNN on CPU (`torch.ops.mkldnn`,
-the layout torch.compile's CPU freezing uses; a plain tensor elsewhere, e.g. CUDA), a layer's q/k/v
-projections concatenated into one matmul, the gate's SiLU, the up projection's product and the residual adds
-fused into their matmuls' epilogues. The ops are those of the Hugging Face forward of the same model cast
-to `dtype` (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding by the model's own module, sdpa), so
-the logits are that model's up to rounding (tests/test_packed.py), and the same inputs give the same outputs
-on a fixed machine. What changes against the policy's own forward: in bf16 the
-behaviour log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is no longer exactly 1
-(the training loop logs its size: sample/* in docs/metrics.md); in fp32 only the summation order changes
-(~1e-6 in a log-prob), while oneDNN's prepacked fp32 kernel reads the weights 2-5x faster at a handful of
-rows than F.linear's (docs/benchmarks.md). The KV cache (per layer (N, C, Hkv, D), in `dtype`) lives here.
+weights once per `generate` call: each projection in `dtype`, laid out for its kernel (PackedLinear: on CPU
+gemv.py's blocks for fp32, oneDNN's prepacked layout for bf16; a plain tensor elsewhere, e.g. CUDA), a
+layer's q/k/v projections concatenated into one matmul, the gate's SiLU, the up projection's product and the
+residual adds fused into their matmuls' epilogues where oneDNN runs them. The ops are those of the Hugging
+Face forward of the same model cast to `dtype` (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding
+by the model's own module, sdpa), so the logits are that model's up to rounding (tests/test_packed.py), and
+the same inputs give the same outputs on a fixed machine. What changes against the policy's own forward: in
+bf16 the behaviour log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is no longer
+exactly 1 (the training loop logs its size: sample/* in docs/metrics.md); in fp32 only the summation order
+changes (~1e-6 in a log-prob), while the blocked kernel reads the weights about 2x faster at a handful of
+rows than oneDNN's prepacked fp32 one, and that 2-5x faster than F.linear (docs/benchmarks.md). The KV cache
+(per layer (N, C, Hkv, D), in `dtype`) lives here.
 Not here: the decode loop and samplers (generate.py), the exact fp32 step (decode_step.py).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -28,6 +30,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from projected_grpo.knobs.adapters import KnobLinear
+from projected_grpo.sampling import gemv
 from projected_grpo.sampling.decode_step import Decode, _rotate_half, why_not_replicated
 
 DTYPE = torch.bfloat16
@@ -70,32 +73,54 @@ def warn_if_unpacked(dtype: torch.dtype, device: torch.device) -> None:
 
 
 class PackedLinear:
-    """x (..., d_in) -> x·Wᵀ + b in `dtype`, W (d_out, d_in) copied to `dtype` once (prepacked on CPU), with
-    oneDNN's fused epilogues where packed: `swish(x)` = silu(x·Wᵀ + b), `then(x, y, op)` = (x·Wᵀ + b) + y
-    (op "add") or * y ("mul"), rounded to `dtype` once (unpacked: the same ops one after the other)."""
+    """x (..., d_in) -> x·Wᵀ + b in `dtype`, W (d_out, d_in) copied to `dtype` once, laid out for the kernel
+    chosen here (`kernel`): "blocked" (fp32 on a CPU where gemv.py's few-row kernel builds: faster than
+    oneDNN's at every row count measured), "onednn" (prepacked, with oneDNN's fused epilogues), "plain"
+    (F.linear). `swish(x)` = silu(x·Wᵀ + b), `then(x, y, op)` = (x·Wᵀ + b) + y (op "add") or * y ("mul"):
+    fused into oneDNN's matmul, the same ops one after the other otherwise."""
 
     def __init__(self, W: Tensor, b: Tensor | None, dtype: torch.dtype, rows: int):
         W = W.detach().to(dtype).contiguous()
         self.b = None if b is None else b.detach().to(dtype)
-        self.packed = W.device.type == "cpu" and packs_on_cpu(dtype)
-        # rows: the batch the layout is chosen for (any batch works; results do not depend on it)
-        self.W = torch.ops.mkldnn._reorder_linear_weight(W, rows) if self.packed else W
+        cpu = W.device.type == "cpu"
+        if cpu and dtype == torch.float32 and _blocked_kernel():
+            self.kernel, self.W, self.N = "blocked", gemv.block(W), W.shape[0]
+        elif cpu and packs_on_cpu(dtype):
+            # rows: the batch oneDNN's layout is chosen for (any batch works; results do not depend on it)
+            self.kernel, self.W = "onednn", torch.ops.mkldnn._reorder_linear_weight(W, rows)
+        else:
+            self.kernel, self.W = "plain", W
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed:
+        if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.W, self.b, "none", [], "")
+        if self.kernel == "blocked":
+            y = gemv.matmul(x, self.W, self.N)
+            return y if self.b is None else y.add_(self.b)
         return F.linear(x, self.W, self.b)
 
     def swish(self, x: Tensor) -> Tensor:
-        if self.packed:
+        if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.W, self.b, "swish", [], "")
-        return F.silu(F.linear(x, self.W, self.b))
+        return F.silu(self(x))
 
     def then(self, x: Tensor, y: Tensor, op: str) -> Tensor:
-        if self.packed:
+        if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise.binary(x, y, self.W, self.b, op)
-        out = F.linear(x, self.W, self.b)
+        out = self(x)
         return out + y if op == "add" else out * y
+
+
+@functools.cache
+def _blocked_kernel() -> bool:
+    """Whether fp32 projections on this CPU use gemv.py's kernel; where it cannot be built, say why once (the
+    sampler then uses oneDNN's, about half the speed at a handful of rows: docs/benchmarks.md)."""
+    reason = gemv.why_not()
+    if reason is not None:
+        warnings.warn(f"{reason}: fp32 sampling uses oneDNN's kernel instead (about half the speed at a "
+                      "handful of rows); install a C++ compiler and `pip install ninja` for the faster one",
+                      stacklevel=3)
+    return reason is None
 
 
 def _weight(linear) -> tuple[Tensor, Tensor | None]:

@@ -1,0 +1,77 @@
+"""The sampler's fp32 matmul at a decode step's row counts: gemv.py's blocked kernel against oneDNN's
+prepacked one (what packed.PackedLinear used for fp32 before), side by side in one process.
+
+For each row count, one SmolLM2-135M decode step's projections (per layer q/k/v fused, o, gate, up, down; then
+the lm_head: 30 layers, hidden 576, MLP 1536, 9 heads of 64 over 3 key/value heads, vocab 49152), each shape
+timed over copies of its weight that together exceed the caches (256 MB), as a decode step reads them: once
+each, from memory. CPU seconds of this process (one thread), best of --reps; a step's time is the sum over
+shapes times their counts. Printed per row count: both kernels' step time, the weights' read rate (GB/s),
+and the ratio. Alternating the kernels per shape, so a busy machine slows both alike.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/few_row_kernel.py [--rows 1,3,8,16,32,64] [--reps 5]
+
+Last line: `RESULT speedup_rows<M>=<oneDNN time / blocked time> ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from projected_grpo.sampling import gemv
+
+L, E, INTER, Q, KV, V = 30, 576, 1536, 9 * 64, 3 * 64, 49152
+SHAPES = {(Q + 2 * KV, E): L, (E, Q): L, (INTER, E): 2 * L, (E, INTER): L, (V, E): 1}  # (d_out, d_in): count
+
+
+def _best(fn, reps: int) -> float:
+    best = float("inf")
+    for _ in range(reps):
+        t = time.process_time()
+        fn()
+        best = min(best, time.process_time() - t)
+    return best
+
+
+def step_times(rows: int, reps: int) -> tuple[float, float, float]:
+    """(oneDNN s, blocked s, weight bytes) of one decode step's projections at `rows` rows."""
+    dnn = blk = nbytes = 0.0
+    for (d_out, d_in), count in SHAPES.items():
+        copies = max(2, int(256e6 // (d_out * d_in * 4)))
+        Ws = [torch.randn(d_out, d_in) for _ in range(copies)]
+        x = torch.randn(rows, d_in)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(W, rows) for W in Ws]
+        blocked = [gemv.block(W) for W in Ws]
+        with torch.inference_mode():
+            dnn += count * _best(lambda x=x, ps=packed: [
+                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in ps], reps) / copies
+            blk += count * _best(lambda x=x, ws=blocked, n=d_out: [gemv.matmul(x, w, n) for w in ws],
+                                 reps) / copies
+        nbytes += count * d_out * d_in * 4
+    return dnn, blk, nbytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,3,8,16,32,64", help="decode rows to measure, comma-separated")
+    ap.add_argument("--reps", type=int, default=5, help="repetitions per shape; the best counts")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    reason = gemv.why_not()
+    if reason is not None:
+        raise SystemExit(reason)
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, 1 thread; "
+          "one SmolLM2-135M decode step's projections")
+    result = []
+    for rows in map(int, args.rows.split(",")):
+        dnn, blk, nbytes = step_times(rows, args.reps)
+        print(f"rows {rows:3d}: oneDNN {dnn * 1e3:6.1f} ms ({nbytes / dnn / 1e9:4.1f} GB/s), blocked "
+              f"{blk * 1e3:6.1f} ms ({nbytes / blk / 1e9:4.1f} GB/s) -> {dnn / blk:.2f}x", flush=True)
+        result.append(f"speedup_rows{rows}={dnn / blk:.2f}")
+    print("RESULT " + " ".join(result))
+
+
+if __name__ == "__main__":
+    main()

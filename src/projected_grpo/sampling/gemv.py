@@ -1,0 +1,149 @@
+"""The packed sampler's fp32 matmul on CPU: x (M, K) · Wᵀ with W (N, K) laid out once in blocks of 24
+output columns, (ceil(N / 24), K, 24); each block is streamed from memory once while rows accumulate in
+registers, four at a time, over slices of 256 k that stay in the L1 cache while every row tile passes.
+
+Why written by hand: at a handful of rows a decode step's matmul is a read of the weights, and its speed is
+the read bandwidth. oneDNN's prepacked fp32 kernel (torch.ops.mkldnn, what the sampler used before) reads
+SmolLM2's projections at 10-14 GB/s at 1-3 rows on a 2-core AMD EPYC with AVX2, where the machine reads
+25-34 GB/s; this loop reads them at 20-31 GB/s there, is 1.3x faster at 8 rows and as fast or faster up to
+128 rows, where both are compute-bound (docs/benchmarks.md, "The few-row kernel";
+benchmarks/few_row_kernel.py). torch.compile's CPU GEMM template (max-autotune) uses the same layout and
+reaches the same speed, but only for weights frozen into the compiled graph as constants: the knobs change
+the merged weights every step, so it would recompile for every `generate`.
+
+The loop is plain C++ over GCC/Clang vector extensions (a vector of 8 floats, one AVX2 register; 3 of them x
+4 rows = 12 accumulators of AVX2's 16 registers), built on first use by torch.utils.cpp_extension (a C++
+compiler and ninja) into torch's extension cache, one build per instruction set (torch's CPU capability), so
+a cache shared between machines never runs code built for another CPU. Every output is one thread's sum over
+k in a fixed order (a slice boundary continues the same sum), so a row's result is the same bits in any
+batch, for any thread count and run to run on a fixed machine; against F.linear only the order of the sum
+differs (tests/test_gemv.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+
+import torch
+from torch import Tensor
+
+NR = 24  # output columns per block (the C++ source's NR)
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstring>
+
+typedef float v8 __attribute__((vector_size(32)));
+constexpr int64_t NV = 3, NR = 8 * NV;  // a block: NR output columns as NV vectors
+constexpr int64_t KC = 256;  // a slice of a block: 256 x 24 floats = 24 KiB, within a 32 KiB L1
+
+static inline v8 ld(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
+
+// R rows (1..4) of x against k0 .. k1 - 1 of one block w (K, NR): y[r, 0:cols] = (k0 > 0 ? y[r] : 0) +
+// sum_k x[r, k] * w[k, :], k in order, so a sum split at any k0 is the same sum
+template <int R>
+static inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, float* y,
+                        int64_t ldy, int64_t cols) {
+  v8 acc[R][NV] = {};
+  if (k0 > 0)
+    for (int r = 0; r < R; ++r) std::memcpy(&acc[r][0], y + r * ldy, cols * sizeof(float));
+  for (int64_t k = k0; k < k1; ++k) {
+    v8 wv[NV];
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < NV; ++j) wv[j] = ld(w + k * NR + 8 * j);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * K + k];
+#pragma GCC unroll 4
+      for (int64_t j = 0; j < NV; ++j) acc[r][j] += xv * wv[j];
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, &acc[r][0], cols * sizeof(float));
+}
+
+torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && Wb.dim() == 3 && Wb.size(2) == NR && x.size(1) == Wb.size(1),
+              "blocked_matmul: x (M, K), Wb (ceil(N / ", NR, "), K, ", NR, ")");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && Wb.scalar_type() == torch::kFloat,
+              "blocked_matmul: float32");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nb = Wb.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = Wb.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* w = wp + b * K * NR;
+      const int64_t cols = std::min(NR, N - b * NR);
+      // more than 4 rows read the block once per 4: in slices of KC rows of k, each slice stays in L1 while
+      // every row tile passes over it
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t k1 = std::min(K, k0 + KC);
+        for (int64_t m = 0; m < M; m += 4) {
+          const float* xm = xp + m * K;
+          float* ym = yp + m * N + b * NR;
+          switch (std::min<int64_t>(M - m, 4)) {
+            case 1: tile<1>(xm, K, k0, k1, w, ym, N, cols); break;
+            case 2: tile<2>(xm, K, k0, k1, w, ym, N, cols); break;
+            case 3: tile<3>(xm, K, k0, k1, w, ym, N, cols); break;
+            default: tile<4>(xm, K, k0, k1, w, ym, N, cols);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+"""
+
+
+def _flags() -> tuple[str, list[str]]:
+    """(a name for this instruction set, the compiler flags for it): AVX2 and FMA where torch's own kernels
+    use them (its CPU capability AVX2 or AVX512), else the compiler's defaults for this machine's ISA."""
+    cap = torch.backends.cpu.get_cpu_capability().lower()
+    isa = ["-mavx2", "-mfma"] if platform.machine() in ("x86_64", "AMD64") and cap.startswith("avx") else []
+    # fp-contract=fast: a multiply and add fuse into one FMA (ISO C++ mode, which torch builds in, turns
+    # that off): one rounding fewer, and the same code every build
+    return f"{platform.machine()}_{cap}", ["-O3", "-ffp-contract=fast", *isa]
+
+
+@functools.cache
+def _module():
+    """The built extension (built once per instruction set into torch's extension cache)."""
+    from torch.utils.cpp_extension import load_inline
+    name, flags = _flags()
+    return load_inline(f"projected_grpo_gemv_{name}", cpp_sources=_SOURCE, functions=["blocked_matmul"],
+                       extra_cflags=flags, verbose=False)
+
+
+@functools.cache
+def why_not() -> str | None:
+    """Why the kernel cannot be used in this process (None: it can). Builds it on first call; a failed build
+    (no C++ compiler, no ninja) is returned as the reason, with the compiler's own message, for the caller to
+    report."""
+    try:
+        _module()
+    except (OSError, RuntimeError, ImportError) as e:
+        return f"building the few-row fp32 kernel failed ({type(e).__name__}: {str(e).strip()[-400:]})"
+    return None
+
+
+def block(W: Tensor) -> Tensor:
+    """W (N, K) fp32 -> (ceil(N / NR), K, NR): column block b holds rows b·NR .. b·NR + NR - 1 of W, the last
+    padded with zeros."""
+    N, K = W.shape
+    nb = -(-N // NR)
+    Wp = W if nb * NR == N else torch.cat([W, W.new_zeros(nb * NR - N, K)])
+    return Wp.view(nb, NR, K).transpose(1, 2).contiguous()
+
+
+def matmul(x: Tensor, Wb: Tensor, N: int) -> Tensor:
+    """x (..., K) fp32 · Wᵀ -> (..., N), W given as block(W). Sampling only: the kernel has no backward."""
+    if x.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError("gemv.matmul has no backward (it serves the sampler): call it under torch.no_grad()")
+    y = _module().blocked_matmul(x.reshape(-1, x.shape[-1]), Wb, N)
+    return y.view(*x.shape[:-1], N)
