@@ -64,6 +64,29 @@ static inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const
   for (int r = 0; r < R; ++r) std::memcpy(y + r * ldy, &acc[r][0], cols * sizeof(float));
 }
 
+// W (N, K) -> (ceil(N / NR), K, NR), the last block's missing columns zero: each block gathers NR rows of W
+// (NR sequential read streams, one write stream)
+torch::Tensor block(torch::Tensor W) {
+  TORCH_CHECK(W.dim() == 2 && W.scalar_type() == torch::kFloat, "block: W (N, K) float32");
+  W = W.contiguous();
+  const int64_t N = W.size(0), K = W.size(1), nb = (N + NR - 1) / NR;
+  auto out = torch::empty({nb, K, NR}, W.options());
+  const float* wp = W.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t rows = std::min(NR, N - b * NR);
+      const float* src = wp + b * NR * K;
+      float* ob = op + b * K * NR;
+      for (int64_t k = 0; k < K; ++k) {  // writes in order; reads NR rows in step, a cache line per 16 k
+        for (int64_t r = 0; r < rows; ++r) ob[k * NR + r] = src[r * K + k];
+        for (int64_t r = rows; r < NR; ++r) ob[k * NR + r] = 0.0f;
+      }
+    }
+  });
+  return out;
+}
+
 torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && Wb.dim() == 3 && Wb.size(2) == NR && x.size(1) == Wb.size(1),
               "blocked_matmul: x (M, K), Wb (ceil(N / ", NR, "), K, ", NR, ")");
@@ -116,7 +139,7 @@ def _module():
     """The built extension (built once per instruction set into torch's extension cache)."""
     from torch.utils.cpp_extension import load_inline
     name, flags = _flags()
-    return load_inline(f"projected_grpo_gemv_{name}", cpp_sources=_SOURCE, functions=["blocked_matmul"],
+    return load_inline(f"projected_grpo_gemv_{name}", cpp_sources=_SOURCE, functions=["blocked_matmul", "block"],
                        extra_cflags=flags, verbose=False)
 
 
@@ -135,10 +158,7 @@ def why_not() -> str | None:
 def block(W: Tensor) -> Tensor:
     """W (N, K) fp32 -> (ceil(N / NR), K, NR): column block b holds rows b·NR .. b·NR + NR - 1 of W, the last
     padded with zeros."""
-    N, K = W.shape
-    nb = -(-N // NR)
-    Wp = W if nb * NR == N else torch.cat([W, W.new_zeros(nb * NR - N, K)])
-    return Wp.view(nb, NR, K).transpose(1, 2).contiguous()
+    return _module().block(W.detach())
 
 
 def matmul(x: Tensor, Wb: Tensor, N: int) -> Tensor:
