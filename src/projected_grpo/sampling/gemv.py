@@ -139,8 +139,8 @@ def _module():
     """The built extension (built once per instruction set into torch's extension cache)."""
     from torch.utils.cpp_extension import load_inline
     name, flags = _flags()
-    return load_inline(f"projected_grpo_gemv_{name}", cpp_sources=_SOURCE, functions=["blocked_matmul", "block"],
-                       extra_cflags=flags, verbose=False)
+    return load_inline(f"projected_grpo_gemv_{name}", cpp_sources=_SOURCE,
+                       functions=["blocked_matmul", "block"], extra_cflags=flags, verbose=False)
 
 
 @functools.cache
@@ -164,6 +164,7 @@ def block(W: Tensor) -> Tensor:
 def matmul(x: Tensor, Wb: Tensor, N: int) -> Tensor:
     """x (..., K) fp32 · Wᵀ -> (..., N), W given as block(W). Sampling only: the kernel has no backward."""
     if x.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError("gemv.matmul has no backward (it serves the sampler): call it under torch.no_grad()")
+        raise RuntimeError("gemv.matmul has no backward (it serves the sampler): call it under "
+                           "torch.no_grad()")
     y = _module().blocked_matmul(x.reshape(-1, x.shape[-1]), Wb, N)
     return y.view(*x.shape[:-1], N)
