@@ -18,7 +18,7 @@ Bounds (all work counted, nothing assumed free; attention included; each dtype a
              gradient), each knob gradient in its cheaper form (thin or through the weight gradient), and
              the W_eff merge (a full-rank SVD knob is merged once per step).
 The sampler's kernel alone: each decode step's projections timed in the sampler's own matmul kernel
-(packed.PackedLinear's: the blocked few-row kernel for fp32, oneDNN's prepacked one for bf16; F.linear for
+(packed.packed_linear's: the blocked few-row kernel for fp32, oneDNN's prepacked one for bf16; F.linear for
 exact sampling) at its row count, weights read from memory, plus the
 prefill's bound: the most the sampling fraction could be with that kernel and no other cost (printed beside
 it with ours as a fraction of it; not in the RESULT line).
@@ -51,7 +51,7 @@ from projected_grpo.objective.teacher import TEACHER_MODES
 from projected_grpo.run import setup
 from projected_grpo.sampling.generate import generate
 from projected_grpo.sampling.pack import as_ids, encode_completion
-from projected_grpo.sampling.packed import PackedLinear
+from projected_grpo.sampling.packed import packed_linear
 from projected_grpo.sampling.prefix import scoring
 from projected_grpo.sampling.sample import SAMPLE_DTYPES, concrete_dtype
 
@@ -149,7 +149,7 @@ def decode_shapes(model) -> dict[tuple[int, int], int]:
 
 def kernel_step(model, rows: int, dtype: torch.dtype | None) -> float:
     """CPU seconds one decode step's projections take in the sampler's own matmul kernel at `rows` rows, and
-    nothing else: packed.PackedLinear's kernel in `dtype` (gemv.py's for fp32, oneDNN's for bf16), or
+    nothing else: packed.packed_linear's kernel in `dtype` (gemv.py's for fp32, oneDNN's for bf16), or
     F.linear in the model's dtype for exact sampling (dtype None; always on CUDA). Each shape is timed over
     copies of its weight that together exceed the caches (256 MB), best of 3, as a decode step reads them:
     once each, from memory."""
@@ -161,7 +161,7 @@ def kernel_step(model, rows: int, dtype: torch.dtype | None) -> float:
             ws = [torch.randn(d_out, d_in, device=DEVICE).to(dt) for _ in range(copies)]
             calls = [lambda w=w, x=x: F.linear(x, w) for w in ws]
         else:
-            ws = [PackedLinear(torch.randn(d_out, d_in), None, dt, rows) for _ in range(copies)]
+            ws = [packed_linear(torch.randn(d_out, d_in), None, dt, rows) for _ in range(copies)]
             calls = [lambda w=w, x=x: w(x) for w in ws]
         with torch.inference_mode():
             c, _, _ = _timed(lambda calls=calls: [f() for f in calls], reps=3)

@@ -79,18 +79,18 @@ def test_a_failed_build_warns_with_its_reason_and_falls_back(monkeypatch):
     monkeypatch.setattr(gemv, "why_not", lambda: reason)
     monkeypatch.setattr(packed, "_blocked_kernel", packed._blocked_kernel.__wrapped__)
     with pytest.warns(UserWarning, match="no c\\+\\+.*oneDNN"):
-        lin = packed.PackedLinear(torch.randn(5, 3), None, torch.float32, rows=1)
+        lin = packed.packed_linear(torch.randn(5, 3), None, torch.float32, rows=1)
     assert lin.kernel == ("onednn" if packed.packs_on_cpu(torch.float32) else "plain")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert packed.PackedLinear(torch.randn(5, 3), None, torch.bfloat16, rows=1).kernel != "blocked"
+        assert packed.packed_linear(torch.randn(5, 3), None, torch.bfloat16, rows=1).kernel != "blocked"
 
 
 @needs_kernel
 def test_packed_linear_epilogues_on_the_blocked_kernel():
     g = torch.Generator().manual_seed(1)
     W, b, x, y = (torch.randn(*s, generator=g) for s in ((30, 16), (30,), (3, 16), (3, 30)))
-    lin = packed.PackedLinear(W, b, torch.float32, rows=3)
+    lin = packed.packed_linear(W, b, torch.float32, rows=3)
     assert lin.kernel == "blocked"
     ref = F.linear(x, W, b)
     assert torch.allclose(lin(x), ref, atol=1e-5)

@@ -5,7 +5,7 @@ decode) over bf16 (or fp32) copies of the policy's weights, knobs merged (rollou
 A decode step of a small model reads every weight once per token for a handful of rows, so its speed is the
 memory traffic of the weights (docs/benchmarks.md, roofline): bf16 halves it, and on a CPU with bf16 units
 oneDNN's bf16 kernels are also faster per row than fp32 ones. `PackedLM(model, rows, dtype)` copies the
-weights once per `generate` call: each projection in `dtype`, laid out for its kernel (PackedLinear: on CPU
+weights once per `generate` call: each projection in `dtype`, laid out for its kernel (packed_linear: on CPU
 gemv.py's blocks for fp32, oneDNN's prepacked layout for bf16; a plain tensor elsewhere, e.g. CUDA), a
 layer's q/k/v projections concatenated into one matmul, the gate's SiLU, the up projection's product and the
 residual adds fused into their matmuls' epilogues where oneDNN runs them. The ops are those of the Hugging
@@ -73,42 +73,68 @@ def warn_if_unpacked(dtype: torch.dtype, device: torch.device) -> None:
 
 
 class PackedLinear:
-    """x (..., d_in) -> x·Wᵀ + b in `dtype`, W (d_out, d_in) copied to `dtype` once, laid out for the kernel
-    chosen here (`kernel`): "blocked" (fp32 on a CPU where gemv.py's few-row kernel builds: faster than
-    oneDNN's at every row count measured), "onednn" (prepacked, with oneDNN's fused epilogues), "plain"
-    (F.linear). `swish(x)` = silu(x·Wᵀ + b), `then(x, y, op)` = (x·Wᵀ + b) + y (op "add") or * y ("mul"):
-    fused into oneDNN's matmul, the same ops one after the other otherwise."""
+    """A projection for the packed forward (made by `packed_linear`): x (..., d_in) -> x·Wᵀ + b, `swish(x)` =
+    silu(x·Wᵀ + b), `then(x, y, op)` = (x·Wᵀ + b) + y (op "add") or * y ("mul"). This base runs F.linear (any
+    device, any dtype), the ops one after the other."""
+    kernel = "plain"
 
-    def __init__(self, W: Tensor, b: Tensor | None, dtype: torch.dtype, rows: int):
-        W = W.detach().to(dtype).contiguous()
-        self.b = None if b is None else b.detach().to(dtype)
-        cpu = W.device.type == "cpu"
-        if cpu and dtype == torch.float32 and _blocked_kernel():
-            self.kernel, self.W, self.N = "blocked", gemv.block(W), W.shape[0]
-        elif cpu and packs_on_cpu(dtype):
-            # rows: the batch oneDNN's layout is chosen for (any batch works; results do not depend on it)
-            self.kernel, self.W = "onednn", torch.ops.mkldnn._reorder_linear_weight(W, rows)
-        else:
-            self.kernel, self.W = "plain", W
+    def __init__(self, W: Tensor, b: Tensor | None):
+        self.W, self.b = W, b
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.kernel == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.W, self.b, "none", [], "")
-        if self.kernel == "blocked":
-            y = gemv.matmul(x, self.W, self.N)
-            return y if self.b is None else y.add_(self.b)
         return F.linear(x, self.W, self.b)
 
     def swish(self, x: Tensor) -> Tensor:
-        if self.kernel == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x, self.W, self.b, "swish", [], "")
         return F.silu(self(x))
 
     def then(self, x: Tensor, y: Tensor, op: str) -> Tensor:
-        if self.kernel == "onednn":
-            return torch.ops.mkldnn._linear_pointwise.binary(x, y, self.W, self.b, op)
         out = self(x)
         return out + y if op == "add" else out * y
+
+
+class _Blocked(PackedLinear):
+    """The same on gemv.py's few-row fp32 kernel, W laid out in its blocks."""
+    kernel = "blocked"
+
+    def __init__(self, W: Tensor, b: Tensor | None):
+        super().__init__(gemv.block(W), b)
+        self.N = W.shape[0]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        y = gemv.matmul(x, self.W, self.N)
+        return y if self.b is None else y.add_(self.b)
+
+
+class _OneDNN(PackedLinear):
+    """The same on oneDNN's prepacked kernel, W reordered for a batch of `rows` (any batch works; results do
+    not depend on it), the SiLU and the add / mul fused into the matmul's epilogue (one rounding to dtype)."""
+    kernel = "onednn"
+
+    def __init__(self, W: Tensor, b: Tensor | None, rows: int):
+        super().__init__(torch.ops.mkldnn._reorder_linear_weight(W, rows), b)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.W, self.b, "none", [], "")
+
+    def swish(self, x: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.W, self.b, "swish", [], "")
+
+    def then(self, x: Tensor, y: Tensor, op: str) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise.binary(x, y, self.W, self.b, op)
+
+
+def packed_linear(W: Tensor, b: Tensor | None, dtype: torch.dtype, rows: int) -> PackedLinear:
+    """x (..., d_in) -> x·Wᵀ + b in `dtype`, W (d_out, d_in) copied to `dtype` once and laid out for the
+    kernel chosen here (its `kernel`): on a CPU, fp32 on gemv.py's few-row kernel where it builds (faster than
+    oneDNN's at every row count measured: docs/benchmarks.md), else oneDNN's prepacked one where this torch
+    has it for `dtype`; F.linear otherwise (e.g. CUDA)."""
+    W = W.detach().to(dtype).contiguous()
+    b = None if b is None else b.detach().to(dtype)
+    if W.device.type == "cpu" and dtype == torch.float32 and _blocked_kernel():
+        return _Blocked(W, b)
+    if W.device.type == "cpu" and packs_on_cpu(dtype):
+        return _OneDNN(W, b, rows)
+    return PackedLinear(W, b)
 
 
 @functools.cache
@@ -136,7 +162,7 @@ def _fused(linears, dtype: torch.dtype, rows: int) -> PackedLinear:
     Ws, bs = zip(*(_weight(m) for m in linears))
     b = None if all(x is None for x in bs) else torch.cat(
         [x if x is not None else W.new_zeros(W.shape[0]) for W, x in zip(Ws, bs)])
-    return PackedLinear(torch.cat(Ws), b, dtype, rows)
+    return packed_linear(torch.cat(Ws), b, dtype, rows)
 
 
 def _scale(norm, dtype: torch.dtype) -> Tensor:
@@ -163,7 +189,7 @@ class PackedLM:
         self.silu = getattr(config, "hidden_act", None) == "silu"  # fuses into the gate's matmul
 
         def lin(module) -> PackedLinear:
-            return PackedLinear(*_weight(module), dtype, rows)
+            return packed_linear(*_weight(module), dtype, rows)
 
         self.layers = []
         for layer in body.layers[:config.num_hidden_layers]:
