@@ -13,17 +13,18 @@ the merged weights every step, so it would recompile for every `generate`.
 
 The loop is plain C++ over GCC/Clang vector extensions (a vector of 8 floats, one AVX2 register; 3 of them x
 4 rows = 12 accumulators of AVX2's 16 registers), built on first use by torch.utils.cpp_extension (a C++
-compiler and ninja) into torch's extension cache, one build per instruction set (torch's CPU capability), so
-a cache shared between machines never runs code built for another CPU. Every output is one thread's sum over
-k in a fixed order (a slice boundary continues the same sum), so a row's result is the same bits in any
-batch, for any thread count and run to run on a fixed machine; against F.linear only the order of the sum
-differs (tests/test_gemv.py).
+compiler and ninja) into torch's extension cache, one build per instruction set (torch's CPU capability) and
+torch version, so a cache shared between machines never runs code built for another CPU. Every output is
+one thread's sum over k in a fixed order (a slice boundary continues the same sum), so a row's result is the
+same bits in any batch, for any thread count and run to run on a fixed machine; against F.linear only the
+order of the sum differs (tests/test_gemv.py).
 """
 
 from __future__ import annotations
 
 import functools
 import platform
+import re
 
 import torch
 from torch import Tensor
@@ -125,13 +126,16 @@ torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
 
 
 def _flags() -> tuple[str, list[str]]:
-    """(a name for this instruction set, the compiler flags for it): AVX2 and FMA where torch's own kernels
-    use them (its CPU capability AVX2 or AVX512), else the compiler's defaults for this machine's ISA."""
+    """(the build's name, the compiler flags): AVX2 and FMA where torch's own kernels use them (its CPU
+    capability AVX2 or AVX512), else the compiler's defaults for this machine's ISA. The name holds the ISA,
+    the capability and torch's version, so a cache shared between machines or kept across a torch upgrade
+    never loads a build made for another (torch's cache keys a build by its source and flags only)."""
     cap = torch.backends.cpu.get_cpu_capability().lower()
     isa = ["-mavx2", "-mfma"] if platform.machine() in ("x86_64", "AMD64") and cap.startswith("avx") else []
+    name = re.sub(r"\W", "_", f"{platform.machine()}_{cap}_torch{torch.__version__}")
     # fp-contract=fast: a multiply and add fuse into one FMA (ISO C++ mode, which torch builds in, turns
     # that off): one rounding fewer, and the same code every build
-    return f"{platform.machine()}_{cap}", ["-O3", "-ffp-contract=fast", *isa]
+    return name, ["-O3", "-ffp-contract=fast", *isa]
 
 
 @functools.cache
