@@ -19,9 +19,9 @@ Bounds (all work counted, nothing assumed free; attention included; each dtype a
              the W_eff merge (a full-rank SVD knob is merged once per step).
 The sampler's kernel alone: each decode step's projections timed in the sampler's own matmul kernel
 (packed.packed_linear's: the blocked few-row kernel for fp32, oneDNN's prepacked one for bf16; F.linear for
-exact sampling) at its row count, weights read from memory, plus the
-prefill's bound: the most the sampling fraction could be with that kernel and no other cost (printed beside
-it with ours as a fraction of it; not in the RESULT line).
+exact sampling) at its row count, weights read from memory, plus the prefill's bound: the most the sampling
+fraction could be with that kernel and no other cost (printed beside it with ours as a fraction of it; not
+in the RESULT line).
 The fractions are CPU-time ratios (process CPU time of this one-thread process, probes included), so a
 busy machine inflates probes and workloads alike; wall-clock fractions are printed beside them. On CUDA
 (`--model.device cuda`) every time is wall-clock after a device synchronise (the host's CPU time says nothing
