@@ -29,8 +29,6 @@ import re
 import torch
 from torch import Tensor
 
-NR = 24  # output columns per block (the C++ source's NR)
-
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -160,8 +158,8 @@ def why_not() -> str | None:
 
 
 def block(W: Tensor) -> Tensor:
-    """W (N, K) fp32 -> (ceil(N / NR), K, NR): column block b holds rows b·NR .. b·NR + NR - 1 of W, the last
-    padded with zeros."""
+    """W (N, K) fp32 -> (ceil(N / 24), K, 24): column block b holds rows 24·b .. 24·b + 23 of W, the last
+    padded with zeros (24: the C++ source's NR)."""
     return _module().block(W.detach())
 
 
