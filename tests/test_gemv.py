@@ -7,6 +7,7 @@ the slower fallback)."""
 from __future__ import annotations
 
 import importlib.util
+import platform
 import shutil
 import warnings
 
@@ -73,6 +74,20 @@ def test_a_rows_output_is_the_same_bits_in_any_batch_and_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(two, full) and torch.equal(gemv.matmul(x, Wb, 100), full)
+
+
+@needs_kernel
+def test_the_kernel_runs_on_torchs_threads():
+    # at::parallel_for is OpenMP in a header: built without -fopenmp the loop ran on one thread whatever
+    # torch.set_num_threads said (the sampler used one core of two before 2026-11-27)
+    threads = torch.get_num_threads()
+    omp = platform.system() == "Linux" and torch.backends.openmp.is_available()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert gemv.threads_used() == (n if omp else 1)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_failed_build_warns_with_its_reason_and_falls_back(monkeypatch):
