@@ -4,11 +4,13 @@ prepacked one (what packed.PackedLinear used for fp32 before), side by side in o
 For each row count, one SmolLM2-135M decode step's projections (per layer q/k/v fused, o, gate, up, down; then
 the lm_head: 30 layers, hidden 576, MLP 1536, 9 heads of 64 over 3 key/value heads, vocab 49152), each shape
 timed over copies of its weight that together exceed the caches (256 MB), as a decode step reads them: once
-each, from memory. CPU seconds of this process (one thread), best of --reps; a step's time is the sum over
-shapes times their counts. Printed per row count: both kernels' step time, the weights' read rate (GB/s),
-and the ratio. Alternating the kernels per shape, so a busy machine slows both alike.
+each, from memory. CPU seconds of this process (one thread; wall-clock with --threads above 1), best of
+--reps; a step's time is the sum over shapes times their counts. Printed per row count: both kernels' step
+time, the weights' read rate (GB/s), and the ratio. Alternating the kernels per shape, so a busy machine
+slows both alike.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/few_row_kernel.py [--rows 1,3,8,16,32,64] [--reps 5]
+    PYTHONPATH=src .venv/bin/python benchmarks/few_row_kernel.py [--rows 1,3,8,16,32,64] [--reps 5] \
+        [--threads 1]
 
 Last line: `RESULT speedup_rows<M>=<oneDNN time / blocked time> ...`.
 """
@@ -27,11 +29,14 @@ SHAPES = {(Q + 2 * KV, E): L, (E, Q): L, (INTER, E): 2 * L, (E, INTER): L, (V, E
 
 
 def _best(fn, reps: int) -> float:
+    """Best of `reps` runs: CPU seconds of this process on one thread, wall-clock seconds on more (CPU time
+    would add the threads' times up)."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     best = float("inf")
     for _ in range(reps):
-        t = time.process_time()
+        t = clock()
         fn()
-        best = min(best, time.process_time() - t)
+        best = min(best, clock() - t)
     return best
 
 
@@ -57,13 +62,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,3,8,16,32,64", help="decode rows to measure, comma-separated")
     ap.add_argument("--reps", type=int, default=5, help="repetitions per shape; the best counts")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for both kernels (more than 1: "
+                    "wall-clock time, on an otherwise idle machine)")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     reason = gemv.why_not()
     if reason is not None:
         raise SystemExit(reason)
-    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, 1 thread; "
-          "one SmolLM2-135M decode step's projections")
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{args.threads} thread(s) (the blocked kernel runs on {gemv.threads_used()}); one SmolLM2-135M "
+          "decode step's projections")
     result = []
     for rows in map(int, args.rows.split(",")):
         dnn, blk, nbytes = step_times(rows, args.reps)
