@@ -59,7 +59,9 @@ class RunCfg:
     no network), `trackio` (local); metrics.jsonl is always written (run/trackers.py)"""
     threads: int = 1
     """torch intra-op CPU threads (0 = torch's default). 1 suits tiny models: measured here, sampling the
-    1.2M-parameter organism took 1 s with 1 thread and 15-40 s with 2 while the sandbox workers were busy"""
+    1.2M-parameter organism took 1 s with 1 thread and 15-40 s with 2 while the sandbox workers were busy.
+    A study runs cores // threads runs at once (study/launch.py), so 1 uses every core there; a single
+    SmolLM2 run on an idle machine is faster with one per core (2 on 2 cores: docs/usage.md)"""
 
     def __post_init__(self) -> None:
         _positive(self, "steps", "checkpoint_every")
