@@ -90,6 +90,29 @@ def test_the_kernel_runs_on_torchs_threads():
         torch.set_num_threads(threads)
 
 
+def test_a_failed_openmp_build_falls_back_to_the_serial_one(monkeypatch):
+    # a compiler without an OpenMP runtime (clang without libomp): build again without -fopenmp, and say so
+    import torch.utils.cpp_extension as ext
+
+    built = []
+
+    def load_inline(name, **kw):
+        if "-fopenmp" in kw["extra_cflags"]:
+            raise RuntimeError("fatal error: 'omp.h' file not found")
+        built.append((name, kw["extra_cflags"], kw["extra_ldflags"]))
+        return "the serial build"
+
+    monkeypatch.setattr(ext, "load_inline", load_inline)
+    monkeypatch.setattr(gemv, "_flags", lambda: ("isa", ["-O3", "-fopenmp"], ["-fopenmp"]))
+    gemv._module.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="omp.h.*without: it runs on one thread"):
+            assert gemv._module() == "the serial build"
+    finally:
+        gemv._module.cache_clear()  # the next caller loads the real build again
+    assert built == [("projected_grpo_gemv_isa_serial", ["-O3"], [])]
+
+
 def test_a_failed_build_warns_with_its_reason_and_falls_back(monkeypatch):
     reason = "building the few-row fp32 kernel failed (RuntimeError: no c++)"
     monkeypatch.setattr(gemv, "why_not", lambda: reason)

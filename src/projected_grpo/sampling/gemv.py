@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import platform
 import re
+import warnings
 
 import torch
 from torch import Tensor
@@ -167,12 +168,25 @@ def _flags() -> tuple[str, list[str], list[str]]:
 
 @functools.cache
 def _module():
-    """The built extension (built once per instruction set into torch's extension cache)."""
+    """The built extension (built once per instruction set into torch's extension cache). Where the OpenMP
+    build fails (a compiler without an OpenMP runtime, e.g. clang without libomp), the serial one is built
+    instead, with a warning: the kernel then runs on one thread whatever run.threads says."""
     from torch.utils.cpp_extension import load_inline
     name, cflags, ldflags = _flags()
-    return load_inline(f"projected_grpo_gemv_{name}", cpp_sources=_SOURCE,
-                       functions=["blocked_matmul", "block", "parallel_threads"], extra_cflags=cflags,
-                       extra_ldflags=ldflags, verbose=False)
+
+    def build(tag: str, c: list[str], ld: list[str]):
+        return load_inline(f"projected_grpo_gemv_{name}{tag}", cpp_sources=_SOURCE,
+                           functions=["blocked_matmul", "block", "parallel_threads"], extra_cflags=c,
+                           extra_ldflags=ld, verbose=False)
+
+    if not ldflags:
+        return build("", cflags, [])
+    try:
+        return build("", cflags, ldflags)
+    except (OSError, RuntimeError, ImportError) as e:
+        warnings.warn(f"building the few-row fp32 kernel with OpenMP failed ({type(e).__name__}: "
+                      f"{str(e).strip()[-300:]}); building it without: it runs on one thread", stacklevel=2)
+        return build("_serial", [f for f in cflags if f not in ldflags], [])
 
 
 @functools.cache
