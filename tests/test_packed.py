@@ -114,6 +114,20 @@ def test_generate_fp32_packed_is_seeded_and_samples_the_models_tokens():
     assert (torch.stack(a.logp) - logp).abs().max() < 1e-4
 
 
+def test_generate_fp32_packed_repeats_on_two_threads():
+    # the blocked kernel shares its column blocks out over torch's threads (gemv.py): a seeded run repeats bit
+    # for bit at that thread count too (the suite runs on one thread: conftest.py)
+    model = _model("llama_sdpa")
+    kw = dict(max_new_tokens=8, seed=[3, 4, 5], eos_id=[], pad_id=0, sample_dtype=torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        a, b = (generate(model, PROMPTS["padded"], 2, **kw) for _ in range(2))
+    finally:
+        torch.set_num_threads(threads)
+    assert all(map(torch.equal, a.completion_ids, b.completion_ids)) and all(map(torch.equal, a.logp, b.logp))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_retiring_finished_rows_samples_the_same_rows(dtype):
     # rows end at an id that the free run samples mid-row, so the decode batch shrinks step by step
