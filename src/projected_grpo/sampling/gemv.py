@@ -103,6 +103,7 @@ torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
   const float* wp = Wb.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const char* end = reinterpret_cast<const char*>(wp + nb * K * NR);  // the stream's end: no prefetch past it
+  const int64_t tiles = (M + 3) / 4;
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const float* w = wp + b * K * NR;
@@ -111,7 +112,6 @@ torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
       // every row tile passes over it. Meanwhile the row tiles share out a prefetch of the stream's next
       // slice (the next block's first at a block's end), so memory works while the tiles compute: 1.1-1.3x
       // at 5-32 rows. One tile (<= 4 rows) reads at the memory's speed already; a prefetch only slowed it.
-      const int64_t tiles = (M + 3) / 4;
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = std::min(K, k0 + KC);
         const char* next = reinterpret_cast<const char*>(w + k1 * NR);
@@ -149,11 +149,11 @@ int64_t parallel_threads(int64_t n) {
 
 
 def _flags() -> tuple[str, list[str], list[str]]:
-    """(the build's name, compiler flags, linker flags): AVX2 and FMA where torch's own kernels use them (its
-    CPU capability AVX2 or AVX512), else the compiler's defaults for this machine's ISA; OpenMP on Linux where
-    torch runs on it. The name holds the ISA, the capability and torch's version, so a cache shared between
-    machines or kept across a torch upgrade never loads a build made for another (torch's cache keys a build
-    by its source and flags only)."""
+    """(the build's name, compiler flags, OpenMP's flags for both compiler and linker): AVX2 and FMA where
+    torch's own kernels use them (its CPU capability AVX2 or AVX512), else the compiler's defaults for this
+    machine's ISA; OpenMP on Linux where torch runs on it. The name holds the ISA, the capability and torch's
+    version, so a cache shared between machines or kept across a torch upgrade never loads a build made for
+    another (torch's cache keys a build by its source and flags only)."""
     cap = torch.backends.cpu.get_cpu_capability().lower()
     isa = ["-mavx2", "-mfma"] if platform.machine() in ("x86_64", "AMD64") and cap.startswith("avx") else []
     name = re.sub(r"\W", "_", f"{platform.machine()}_{cap}_torch{torch.__version__}")
@@ -163,7 +163,7 @@ def _flags() -> tuple[str, list[str], list[str]]:
     omp = ["-fopenmp"] if platform.system() == "Linux" and torch.backends.openmp.is_available() else []
     # fp-contract=fast: a multiply and add fuse into one FMA (ISO C++ mode, which torch builds in, turns
     # that off): one rounding fewer, and the same code every build
-    return name, ["-O3", "-ffp-contract=fast", *isa, *omp], omp
+    return name, ["-O3", "-ffp-contract=fast", *isa], omp
 
 
 @functools.cache
@@ -172,21 +172,21 @@ def _module():
     build fails (a compiler without an OpenMP runtime, e.g. clang without libomp), the serial one is built
     instead, with a warning: the kernel then runs on one thread whatever run.threads says."""
     from torch.utils.cpp_extension import load_inline
-    name, cflags, ldflags = _flags()
+    name, cflags, omp = _flags()
 
     def build(tag: str, c: list[str], ld: list[str]):
         return load_inline(f"projected_grpo_gemv_{name}{tag}", cpp_sources=_SOURCE,
                            functions=["blocked_matmul", "block", "parallel_threads"], extra_cflags=c,
                            extra_ldflags=ld, verbose=False)
 
-    if not ldflags:
-        return build("", cflags, [])
     try:
-        return build("", cflags, ldflags)
+        return build("", cflags + omp, omp)
     except (OSError, RuntimeError, ImportError) as e:
+        if not omp:  # nothing to leave out: the failure is why_not()'s to report
+            raise
         warnings.warn(f"building the few-row fp32 kernel with OpenMP failed ({type(e).__name__}: "
                       f"{str(e).strip()[-300:]}); building it without: it runs on one thread", stacklevel=2)
-        return build("_serial", [f for f in cflags if f not in ldflags], [])
+        return build("_serial", cflags, [])
 
 
 @functools.cache
