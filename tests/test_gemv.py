@@ -146,3 +146,67 @@ def test_refuses_a_graph_it_cannot_differentiate():
         gemv.matmul(x, Wb, 5)
     with torch.no_grad():
         assert gemv.matmul(x, Wb, 5).shape == (2, 5)
+
+
+# --- attend_one: the packed sampler's one-token attention -------------------------------------------------
+
+
+@needs_kernel
+def test_attend_one_hand_worked():
+    D = 32  # the smallest head size it is built for; only the first two coordinates are non-zero
+    q = torch.zeros(1, 1, 1, D)
+    q[..., 0] = 1.0
+    k, v = torch.zeros(1, 2, 1, D), torch.zeros(1, 2, 1, D)  # (N 1, n 2 columns, Hkv 1, D)
+    k[0, 1, 0, 0] = 3.0  # scores at scale 0.5: q·k0 = 0 -> 0, q·k1 = 3 -> 1.5
+    v[0, 0, 0, 0], v[0, 1, 0, 1] = 4.0, 8.0
+    out = gemv.attend_one(q, k, v, None, 0.5)
+    # softmax(0, 1.5) = (1, e^1.5) / (1 + e^1.5) = (0.18243, 0.81757): out = (4 * 0.18243, 8 * 0.81757, 0..)
+    w1 = torch.tensor(1.5).exp() / (1 + torch.tensor(1.5).exp())
+    assert torch.allclose(out[0, 0, 0, :2], torch.stack([4 * (1 - w1), 8 * w1]), rtol=1e-6, atol=0)
+    assert not out[0, 0, 0, 2:].any()
+    # the second column masked out: all weight on the first, exactly v0
+    masked = gemv.attend_one(q, k, v, torch.tensor([[True, False]]), 0.5)
+    assert masked[0, 0, 0, :2].tolist() == [4.0, 0.0]
+
+
+@needs_kernel
+@pytest.mark.parametrize("D", gemv.HEAD_DIMS)
+@pytest.mark.parametrize("N, Hkv, G, n", [(1, 1, 1, 1), (3, 3, 3, 37), (5, 2, 4, 130)])
+def test_attend_one_equals_sdpa_on_cache_views(D, N, Hkv, G, n):
+    g = torch.Generator().manual_seed(D + 10 * N + n)
+    C = n + 7  # the cache holds more columns than are filled: k, v are strided views of its first n
+    kc, vc = torch.randn(N, C, Hkv, D, generator=g), torch.randn(N, C, Hkv, D, generator=g)
+    q = torch.randn(N, Hkv, G, D, generator=g)
+    keep = torch.rand(N, C, generator=g) > 0.3
+    keep[:, n - 1] = True  # the newest column (the query's own key) is always visible
+    k, v = kc[:, :n], vc[:, :n]
+    for m in (None, keep[:, :n]):
+        got = gemv.attend_one(q, k, v, m, D ** -0.5)
+        kd, vd = k.transpose(1, 2).double(), v.transpose(1, 2).double()
+        ref = F.scaled_dot_product_attention(q.double(), kd, vd, scale=D ** -0.5,
+                                             attn_mask=None if m is None else m[:, None, None])
+        assert got.shape == (N, Hkv, G, D) and (got.double() - ref).abs().max() < 1e-5
+
+
+@needs_kernel
+def test_attend_one_is_the_same_bits_in_any_batch_and_thread_count():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(5, 3, 3, 64, generator=g), torch.randn(5, 90, 3, 64, generator=g), \
+        torch.randn(5, 90, 3, 64, generator=g)
+    full = gemv.attend_one(q, k, v, None, 0.125)
+    for i in range(5):  # one (row, kv head) per task: a row's sums do not see the others
+        assert torch.equal(gemv.attend_one(q[i:i + 1], k[i:i + 1], v[i:i + 1], None, 0.125)[0], full[i])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        two = gemv.attend_one(q, k, v, None, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(two, full)
+
+
+@needs_kernel
+def test_attend_one_refuses_a_graph():
+    q = torch.randn(1, 1, 1, 32, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no backward"):
+        gemv.attend_one(q, torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), None, 1.0)

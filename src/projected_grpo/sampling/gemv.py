@@ -1,4 +1,6 @@
-"""The packed sampler's fp32 matmul on CPU: x (M, K) · Wᵀ with W (N, K) laid out once in blocks of 24
+"""The packed sampler's fp32 kernels on CPU: the few-row matmul and the one-token attention.
+
+The matmul: x (M, K) · Wᵀ with W (N, K) laid out once in blocks of 24
 output columns, (ceil(N / 24), K, 24); each block is streamed from memory once while rows accumulate in
 registers, four at a time, over slices of 256 k that stay in the L1 cache while every row tile passes.
 
@@ -19,6 +21,12 @@ the column blocks are shared out over torch's threads (run.threads). Every outpu
 in a fixed order (a slice boundary continues the same sum), so a row's result is the same bits in any batch,
 for any thread count and run to run on a fixed machine; against F.linear only the order of the sum differs
 (tests/test_gemv.py).
+
+The attention (`attend_one`): a decode step's query token against its rows' KV cache, the query heads that
+share a key/value head taken together. At a handful of rows sdpa's per-call setup is most of its time (60-110
+µs a layer at 3 rows on the AVX2 machine, 30 layers a token): here the scores are one pass over the keys, the
+softmax ATen's, the weighted sum one pass over the values, each (row, key/value head) one thread's fixed-order
+sums, so again the same bits in any batch and thread count (docs/benchmarks.md, "The one-token attention").
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ _SOURCE = r"""
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <limits>
 
 typedef float v8 __attribute__((vector_size(32)));
 constexpr int64_t NV = 3, NR = 8 * NV;  // a block: NR output columns as NV vectors
@@ -135,6 +144,107 @@ torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
   return y;
 }
 
+typedef float v4 __attribute__((vector_size(16)));
+
+static inline float hsum(v8 v) {  // a fixed tree: (lanes i + i+4), then (i + i+2), then (0 + 1)
+  v4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  a += __builtin_shufflevector(a, a, 2, 3, 0, 1);
+  return a[0] + a[1];
+}
+
+// one (row, kv head) task of attend_one, NV = D / 8 vectors per head: scores s (G, n) = scale·q·kᵀ, -inf
+// where a column is not kept
+template <int NVD>
+static void scores(const float* q, const float* k, int64_t sk1, const bool* keep, int64_t G, int64_t n,
+                   float sc, float* s) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) {
+    if (keep && !keep[t]) {
+      for (int64_t j = 0; j < G; ++j) s[j * n + t] = neg_inf;
+      continue;
+    }
+    v8 kv[NVD];
+    for (int i = 0; i < NVD; ++i) kv[i] = ld(k + t * sk1 + 8 * i);
+    for (int64_t j = 0; j < G; ++j) {
+      v8 acc = {};
+      for (int i = 0; i < NVD; ++i) acc += ld(q + j * NVD * 8 + 8 * i) * kv[i];
+      s[j * n + t] = hsum(acc) * sc;
+    }
+  }
+}
+
+// out (G, D) = p (G, n) · v, in halves of at most 4 vectors so the accumulators stay in registers
+template <int NVD>
+static void weighted(const float* p, const float* v, int64_t sv1, int64_t G, int64_t n, float* out) {
+  constexpr int W = NVD < 4 ? NVD : 4;
+  for (int64_t j = 0; j < G; ++j) {
+    for (int i0 = 0; i0 < NVD; i0 += W) {
+      v8 acc[W] = {};
+      for (int64_t t = 0; t < n; ++t) {
+        const float w = p[j * n + t];
+        for (int i = 0; i < W; ++i) acc[i] += w * ld(v + t * sv1 + 8 * (i0 + i));
+      }
+      for (int i = 0; i < W; ++i) std::memcpy(out + j * NVD * 8 + 8 * (i0 + i), &acc[i], sizeof(v8));
+    }
+  }
+}
+
+// One-token attention over a KV cache: q (N, Hkv, G, D) contiguous; k, v (N, n, Hkv, D) with any row and
+// column strides (views of the cache's first n columns), D in {32, 64, 128, 256}; keep (N, n) bool or an
+// empty tensor (every column visible). -> (N, Hkv, G, D): softmax(scale q·kᵀ, masked) · v, each (row, kv
+// head) one task, its sums over d and over columns in a fixed order; the softmax is ATen's
+torch::Tensor attend_one(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keep,
+                         double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.is_contiguous(),
+              "attend_one: q (N, Hkv, G, D) contiguous, k and v (N, n, Hkv, D)");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
+              v.scalar_type() == torch::kFloat, "attend_one: float32");
+  const int64_t N = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), n = k.size(1);
+  TORCH_CHECK(k.size(0) == N && k.size(2) == Hkv && k.size(3) == D && v.sizes() == k.sizes() &&
+              (D == 32 || D == 64 || D == 128 || D == 256) && k.stride(3) == 1 && v.stride(3) == 1 &&
+              k.stride(2) == D && v.stride(2) == D,
+              "attend_one: k, v (N, n, Hkv, D), D in {32, 64, 128, 256}, each head's D contiguous");
+  const bool masked = keep.numel() > 0;
+  TORCH_CHECK(!masked || (keep.scalar_type() == torch::kBool && keep.dim() == 2 && keep.size(0) == N &&
+              keep.size(1) == n && keep.stride(1) == 1), "attend_one: keep (N, n) bool, columns contiguous");
+  auto s = torch::empty({N, Hkv, G, n}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const bool* mp = masked ? keep.data_ptr<bool>() : nullptr;
+  float* sp = s.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t a0, int64_t a1) {
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t r = a / Hkv, h = a % Hkv;
+      const float* ka = kp + r * k.stride(0) + h * D;
+      const bool* ma = mp ? mp + r * keep.stride(0) : nullptr;
+      float* sa = sp + a * G * n;
+      switch (D) {
+        case 32: scores<4>(qp + a * G * D, ka, k.stride(1), ma, G, n, sc, sa); break;
+        case 64: scores<8>(qp + a * G * D, ka, k.stride(1), ma, G, n, sc, sa); break;
+        case 128: scores<16>(qp + a * G * D, ka, k.stride(1), ma, G, n, sc, sa); break;
+        default: scores<32>(qp + a * G * D, ka, k.stride(1), ma, G, n, sc, sa);
+      }
+    }
+  });
+  auto p = at::_softmax(s, -1, false);  // (N, Hkv, G, n)
+  auto out = torch::empty_like(q);
+  const float* pp = p.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N * Hkv, 1, [&](int64_t a0, int64_t a1) {
+    for (int64_t a = a0; a < a1; ++a) {
+      const int64_t r = a / Hkv, h = a % Hkv;
+      const float* va = vp + r * v.stride(0) + h * D;
+      switch (D) {
+        case 32: weighted<4>(pp + a * G * n, va, v.stride(1), G, n, op + a * G * D); break;
+        case 64: weighted<8>(pp + a * G * n, va, v.stride(1), G, n, op + a * G * D); break;
+        case 128: weighted<16>(pp + a * G * n, va, v.stride(1), G, n, op + a * G * D); break;
+        default: weighted<32>(pp + a * G * n, va, v.stride(1), G, n, op + a * G * D);
+      }
+    }
+  });
+  return out;
+}
+
 // how many threads a parallel_for over n items runs on: whether this build honours torch's thread count
 int64_t parallel_threads(int64_t n) {
   std::atomic<int64_t> most{0};
@@ -176,8 +286,8 @@ def _module():
 
     def build(tag: str, c: list[str], ld: list[str]):
         return load_inline(f"projected_grpo_gemv_{name}{tag}", cpp_sources=_SOURCE,
-                           functions=["blocked_matmul", "block", "parallel_threads"], extra_cflags=c,
-                           extra_ldflags=ld, verbose=False)
+                           functions=["blocked_matmul", "block", "attend_one", "parallel_threads"],
+                           extra_cflags=c, extra_ldflags=ld, verbose=False)
 
     try:
         return build("", cflags + omp, omp)
@@ -220,3 +330,17 @@ def threads_used(n: int = 64) -> int:
     """How many of torch's threads the kernel's loop over `n` column blocks runs on (torch.get_num_threads()
     where the build has OpenMP; 1 without)."""
     return int(_module().parallel_threads(n))
+
+
+HEAD_DIMS = (32, 64, 128, 256)  # the head sizes attend_one is built for (the C++ source's cases)
+
+
+def attend_one(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: float) -> Tensor:
+    """One query token's attention: q (N, Hkv, G, D), the G query heads that share a key/value head; k, v
+    (N, n, Hkv, D) fp32, views of a cache's first n columns (heads contiguous); keep (N, n) bool or None
+    (every column visible) -> (N, Hkv, G, D) = softmax(scale·q·kᵀ over the kept columns)·v. Sampling only."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError("gemv.attend_one has no backward (it serves the sampler): call it under "
+                           "torch.no_grad()")
+    mask = torch.empty(0, dtype=torch.bool) if keep is None else keep
+    return _module().attend_one(q.contiguous(), k, v, mask, float(scale))

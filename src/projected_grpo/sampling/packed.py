@@ -10,7 +10,8 @@ gemv.py's blocks for fp32, oneDNN's prepacked layout for bf16; a plain tensor el
 layer's q/k/v projections concatenated into one matmul, the gate's SiLU, the up projection's product and the
 residual adds fused into their matmuls' epilogues where oneDNN runs them. The ops are those of the Hugging
 Face forward of the same model cast to `dtype` (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding
-by the model's own module, sdpa), so the logits are that model's up to rounding (tests/test_packed.py), and
+by the model's own module, sdpa; a decode step's attention in fp32 on a CPU by gemv.py's one-token kernel),
+so the logits are that model's up to rounding (tests/test_packed.py), and
 the same inputs give the same outputs on a fixed machine. What changes against the policy's own forward: in
 bf16 the behaviour log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is no longer
 exactly 1 (the training loop logs its size: sample/* in docs/metrics.md); in fp32 only the summation order
@@ -265,12 +266,24 @@ class PackedLM:
         full = None if bool(keep.all()) else keep
         g, Hkv, D = self.H // self.Hkv, self.Hkv, self.D
 
-        def attend(q: Tensor, k: Tensor, v: Tensor, m: Tensor | None) -> Tensor:
+        def attend_sdpa(q: Tensor, k: Tensor, v: Tensor, m: Tensor | None) -> Tensor:
             # a key/value head's g query heads as g query rows (HF's q_len-1 GQA packing): one sdpa call,
             # without enable_gqa (~4x slower at this shape on CPU, measured) or repeated keys
             N = q.shape[0]
             out = F.scaled_dot_product_attention(q.reshape(N, Hkv, g, D), k, v, attn_mask=m, scale=self.scale)
             return out.reshape(N, 1, Hkv * g * D)
+
+        def attend_kernel(q: Tensor, k: Tensor, v: Tensor, m: Tensor | None) -> Tensor:
+            # the same on gemv.py's one-token fp32 kernel: 2-3x faster than sdpa at a handful of rows, where
+            # sdpa's per-call setup is most of its time (docs/benchmarks.md, "The one-token attention")
+            N = q.shape[0]
+            out = gemv.attend_one(q.reshape(N, Hkv, g, D), k.transpose(1, 2), v.transpose(1, 2),
+                                  None if m is None else m[:, 0, 0], self.scale)
+            return out.reshape(N, 1, Hkv * g * D)
+
+        kernel = self.dtype == torch.float32 and mask.device.type == "cpu" and D in gemv.HEAD_DIMS \
+            and _blocked_kernel()
+        attend = attend_kernel if kernel else attend_sdpa
 
         def step(tok: Tensor, pos: Tensor, n: int) -> Tensor:
             return self._forward(tok[:, None], pos, None if full is None else full[..., :n], n - 1, attend)
