@@ -40,6 +40,13 @@ def _blocks(N: int, T: int, V: int, chunk: int | None) -> Iterator[tuple[slice, 
                 yield slice(n0, n0 + 1), slice(t0, min(T, t0 + rows))
 
 
+def _tempered(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A block of logits as fp32 over the temperature: at temperature 1 no division (x / 1 is x, bit for bit),
+    and for fp32 logits no copy, a pass over the block fewer each (the chunk is only read)."""
+    x = chunk.float()
+    return x if temperature == 1.0 else x / temperature
+
+
 def _check(logits: torch.Tensor, what: str) -> None:
     if logits.dim() != 3:
         raise ValueError(f"{what}: logits must be (N, T, V), got shape {tuple(logits.shape)}")
@@ -54,7 +61,7 @@ class _TokenLogprob(torch.autograd.Function):
         logp = torch.empty(N, T, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(logp)
         for n, t in _blocks(N, T, V, chunk):
-            x = logits[n, t].float() / temperature  # (n, t, V) fp32, this chunk only
+            x = _tempered(logits[n, t], temperature)  # (n, t, V) fp32, this chunk only
             lse[n, t] = torch.logsumexp(x, dim=-1)
             logp[n, t] = x.gather(-1, targets[n, t].unsqueeze(-1)).squeeze(-1) - lse[n, t]
         ctx.save_for_backward(logits, targets, lse)
@@ -69,10 +76,10 @@ class _TokenLogprob(torch.autograd.Function):
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for n, t in _blocks(N, T, V, ctx.chunk):
             # d logp_y / d x_v = (1[v = y] - softmax(x)_v) / temperature
-            p = torch.exp(logits[n, t].float() / ctx.temperature - lse[n, t].unsqueeze(-1))  # (n, t, V)
-            g = -p * grad_logp[n, t].unsqueeze(-1)
+            p = torch.exp(_tempered(logits[n, t], ctx.temperature) - lse[n, t].unsqueeze(-1))  # (n, t, V)
+            g = p.mul_(-grad_logp[n, t].unsqueeze(-1))  # -p * grad, in place: the same bits, a pass fewer
             g.scatter_add_(-1, targets[n, t].unsqueeze(-1), grad_logp[n, t].unsqueeze(-1).float())
-            grad[n, t] = (g / ctx.temperature).to(logits.dtype)
+            grad[n, t] = g if ctx.temperature == 1.0 else g / ctx.temperature  # cast to logits' dtype here
         return grad, None, None, None
 
 
@@ -87,7 +94,7 @@ class _Entropy(torch.autograd.Function):
         N, T, V = logits.shape
         ent = torch.empty(N, T, dtype=torch.float32, device=logits.device)
         for n, t in _blocks(N, T, V, chunk):
-            x = logits[n, t].float() / temperature
+            x = _tempered(logits[n, t], temperature)
             lse = torch.logsumexp(x, dim=-1, keepdim=True)
             p = torch.exp(x - lse)
             ent[n, t] = lse.squeeze(-1) - _p_times(p, x).sum(-1)  # H = lse - E_p[x]
@@ -102,7 +109,7 @@ class _Entropy(torch.autograd.Function):
         N, T, V = logits.shape
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for n, t in _blocks(N, T, V, ctx.chunk):
-            x = logits[n, t].float() / ctx.temperature
+            x = _tempered(logits[n, t], ctx.temperature)
             p = torch.softmax(x, dim=-1)
             mean_x = _p_times(p, x).sum(-1, keepdim=True)
             # dH/dx_v = -p_v (x_v - E_p[x]) / temperature
