@@ -210,3 +210,49 @@ def test_attend_one_refuses_a_graph():
     q = torch.randn(1, 1, 1, 32, requires_grad=True)
     with pytest.raises(RuntimeError, match="no backward"):
         gemv.attend_one(q, torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), None, 1.0)
+
+
+# --- rms_norm and rope: the packed fp32 forward's RMSNorm and rotary embedding in one call each ------------
+
+
+@needs_kernel
+def test_rms_norm_hand_worked():
+    x = torch.tensor([[3.0, 4.0], [1.0, -1.0]])
+    w = torch.tensor([2.0, 0.5])
+    # row 0: mean(9, 16) = 12.5, eps 0 -> x / sqrt(12.5) = (0.84853, 1.13137); times w -> (1.69706, 0.56569)
+    # row 1: mean(1, 1) = 1 -> (1, -1) * w = (2, -0.5), exactly
+    y = gemv.rms_norm(x, w, 0.0)
+    assert torch.allclose(y[0], torch.tensor([6 / 12.5 ** 0.5, 2 / 12.5 ** 0.5]), rtol=1e-6, atol=0)
+    assert y[1].tolist() == [2.0, -0.5]
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(3, 1, 576), (2, 37, 64), (5, 13)])  # E a multiple of 8, and not
+def test_rms_norm_equals_f_rms_norm(shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    x, w = 3 * torch.randn(shape, generator=g), torch.randn(shape[-1], generator=g)
+    x_view = x.transpose(0, -2) if x.dim() == 3 else x  # a non-contiguous input is read as its values
+    y = gemv.rms_norm(x_view, w, 1e-5)
+    ref = F.rms_norm(x_view.double(), (shape[-1],), w.double(), 1e-5)
+    assert y.shape == x_view.shape and (y.double() - ref).abs().max() < 1e-5
+    for i in range(x.shape[0]):  # each row alone: the same bits
+        assert torch.equal(gemv.rms_norm(x[i:i + 1], w, 1e-5)[0], gemv.rms_norm(x, w, 1e-5)[i])
+
+
+@needs_kernel
+def test_rope_equals_hf_rotary_on_a_strided_view():
+    from projected_grpo.sampling.decode_step import _rotate_half
+
+    g = torch.Generator().manual_seed(0)
+    N, T, H, Hkv, D = 3, 5, 9, 3, 64
+    out = torch.randn(N, T, (H + 2 * Hkv) * D, generator=g)  # a qkv matmul's output: q and k heads, then v
+    qk = out[..., :(H + Hkv) * D].view(N, T, H + Hkv, D)  # strided: each (n, t) row is (H + 2 Hkv) * D apart
+    angle = torch.randn(N, T, 1, D // 2, generator=g).repeat(1, 1, 1, 2)  # HF's cos/sin: each half repeated
+    cos, sin = angle.cos(), angle.sin()
+    y = gemv.rope(qk, cos, sin)
+    ref = qk.double() * cos.double() + _rotate_half(qk.double()) * sin.double()
+    assert y.shape == (N, T, H + Hkv, D) and (y.double() - ref).abs().max() < 1e-5
+    # by hand at D 2 (half 1): x = (a, b) -> (a cos - b sin, b cos + a sin), the plane rotation
+    x2 = torch.tensor([1.0, 2.0]).view(1, 1, 1, 2)
+    c, s = torch.full((1, 1, 1, 2), 0.6), torch.full((1, 1, 1, 2), 0.8)
+    assert torch.allclose(gemv.rope(x2, c, s).flatten(), torch.tensor([0.6 - 1.6, 1.2 + 0.8]), atol=1e-6)

@@ -166,6 +166,16 @@ def _fused(linears, dtype: torch.dtype, rows: int) -> PackedLinear:
     return packed_linear(torch.cat(Ws), b, dtype, rows)
 
 
+def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    """HF's RMSNorm in x's dtype (fp32 inside, cast back, then scaled): x (..., E), w (E,)."""
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+
+def _rope(qk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's rotary embedding of qk (N, T, Hh, D) with cos, sin (N, T, 1, D)."""
+    return (qk * cos) + (_rotate_half(qk) * sin)
+
+
 def _scale(norm, dtype: torch.dtype) -> Tensor:
     """An RMSNorm's scale in dtype (the model cast to dtype)."""
     return norm.weight.detach().to(dtype)
@@ -186,7 +196,7 @@ class PackedLM:
         self.embed, self.rotary = body.embed_tokens.weight, body.rotary_emb
         a0 = body.layers[0].self_attn
         self.D, self.Hkv, self.H = a0.head_dim, config.num_key_value_heads, config.num_attention_heads
-        self.scale, self.E, self.eps = a0.scaling, config.hidden_size, body.norm.variance_epsilon
+        self.scale, self.eps = a0.scaling, body.norm.variance_epsilon
         self.silu = getattr(config, "hidden_act", None) == "silu"  # fuses into the gate's matmul
 
         def lin(module) -> PackedLinear:
@@ -201,6 +211,9 @@ class PackedLM:
                 lin(m.gate_proj), lin(m.up_proj), lin(m.down_proj), m.act_fn))
         self.norm = _scale(body.norm, dtype)
         self.lm_head = lin(model.lm_head)
+        # fp32 on a CPU: RMSNorm and the rotary embedding each one call of gemv.py's kernels, not ~10 and ~6
+        # ATen ops (a decode step's ops are a handful of rows: their per-call cost is the cost)
+        self.own_ops = dtype == torch.float32 and self.embed.device.type == "cpu" and _blocked_kernel()
         self.k: list[Tensor] = []  # per layer (N, C, Hkv, D): keys after the rotary embedding
         self.v: list[Tensor] = []
 
@@ -209,15 +222,15 @@ class PackedLM:
         (every column visible) -> the last position's logits (N, V) in fp32. attend: the one-token attention
         (q (N, H, 1, D), k, v (N, Hkv, n, D), mask) -> (N, 1, H * D) (T = 1 only), else sdpa over the mask."""
         N, T = ids.shape
-        H, Hkv, D, E, eps, end = self.H, self.Hkv, self.D, self.E, self.eps, start + T
+        H, Hkv, D, eps, end = self.H, self.Hkv, self.D, self.eps, start + T
         x = F.embedding(ids, self.embed).to(self.dtype)  # (N, T, E): the embedding rows in dtype
         cos, sin = self.rotary(x, pos)  # (N, T, D): the model's own rotary module (any rope type)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (N, T, 1, D): the heads of q and k at once
+        norm, rope = (gemv.rms_norm, gemv.rope) if self.own_ops else (_rms_norm, _rope)
         for i, (w1, qkv, o, w2, gate, up, down, act) in enumerate(self.layers):
-            h = F.rms_norm(x, (E,), w1, eps)  # (N, T, E): HF's RMSNorm (fp32 inside, cast, then scaled)
+            h = norm(x, w1, eps)  # (N, T, E): HF's RMSNorm (fp32 inside, cast, then scaled)
             out = qkv(h)  # (N, T, (H + 2 Hkv) D)
-            qk = out[..., :(H + Hkv) * D].view(N, T, H + Hkv, D)
-            qk = (qk * cos) + (_rotate_half(qk) * sin)
+            qk = rope(out[..., :(H + Hkv) * D].view(N, T, H + Hkv, D), cos, sin)
             self.k[i][:, start:end] = qk[:, :, H:]
             self.v[i][:, start:end] = out[..., (H + Hkv) * D:].view(N, T, Hkv, D)
             # (N, H, T, D) and (N, Hkv, end, D): strided views, as sdpa takes them
@@ -229,10 +242,10 @@ class PackedLM:
                 att = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale,
                                                      enable_gqa=H != Hkv).transpose(1, 2).reshape(N, T, H * D)
             x = o.then(att, x, "add")  # x + o(att)
-            h = F.rms_norm(x, (E,), w2, eps)
+            h = norm(x, w2, eps)
             a = gate.swish(h) if self.silu else act(gate(h))
             x = down.then(up.then(h, a, "mul"), x, "add")  # x + down(act(gate(h)) * up(h))
-        x = F.rms_norm(x[:, -1:], (E,), self.norm, eps)
+        x = norm(x[:, -1:], self.norm, eps)
         return self.lm_head(x)[:, -1].float()  # (N, V)
 
     def prefill(self, ids: Tensor, mask: Tensor, pos: Tensor, capacity: int) -> Tensor:
