@@ -18,25 +18,14 @@ Last line: `RESULT speedup_rows<M>=<sdpa time / kernel time at the largest n> ..
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from few_row_kernel import _best  # best of reps: CPU time on one thread, wall-clock on more (run as a script)
 from torch.nn import functional as F
 
 from projected_grpo.sampling import gemv
 
 L, HKV, G, D = 30, 3, 3, 64
-
-
-def _best(fn, reps: int) -> float:
-    """Best of `reps` runs: CPU seconds on one thread, wall-clock seconds on more."""
-    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
-    best = float("inf")
-    for _ in range(reps):
-        t = clock()
-        fn()
-        best = min(best, clock() - t)
-    return best
 
 
 def step_times(rows: int, n: int, reps: int) -> tuple[float, float, float]:
