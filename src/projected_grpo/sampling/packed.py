@@ -10,9 +10,9 @@ gemv.py's blocks for fp32, oneDNN's prepacked layout for bf16; a plain tensor el
 layer's q/k/v projections concatenated into one matmul, the gate's SiLU, the up projection's product and the
 residual adds fused into their matmuls' epilogues where oneDNN runs them. The ops are those of the Hugging
 Face forward of the same model cast to `dtype` (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding
-by the model's own module, sdpa; a decode step's attention in fp32 on a CPU by gemv.py's one-token kernel),
-so the logits are that model's up to rounding (tests/test_packed.py), and
-the same inputs give the same outputs on a fixed machine. What changes against the policy's own forward: in
+by the model's own module, sdpa; in fp32 on a CPU RMSNorm, the rotary and the decode's attention by gemv.py's
+kernels), so the logits are that model's up to rounding (tests/test_packed.py), and the same inputs give the
+same outputs on a fixed machine. What changes against the policy's own forward: in
 bf16 the behaviour log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is no longer
 exactly 1 (the training loop logs its size: sample/* in docs/metrics.md); in fp32 only the summation order
 changes (~1e-6 in a log-prob), while the blocked kernel reads the weights about 2x faster at a handful of
