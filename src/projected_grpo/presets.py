@@ -85,10 +85,10 @@ FULL = Config(
 # SmolLM2-135M-Instruct (`projected-grpo get-model smollm2`; its ChatML template formats every prompt) on
 # the code loophole environment. CPU: a smoke of the mechanics on a real model, one problem per loophole
 # mode, one group of 3 students + 1 teacher row per step. Students sampled through the packed fp32 forward
-# (rollout.sample_dtype float32, its projections in sampling/gemv.py's few-row kernel: sampling at 0.54 of
-# the machine's roofline against 0.19 for the model's own forward on an AVX2 CPU; sample/kl ~1e-10, i.e.
-# fp32 rounding). Step 13.9 s on one thread of a 2-core AVX2 CPU, of which sampling 3.8 s; 8.75 s with
-# `--run.threads 2` on both cores, idle otherwise (docs/benchmarks.md).
+# (rollout.sample_dtype float32, its projections, attention, RMSNorm and rotary in sampling/gemv.py's kernels:
+# sampling at 0.63 of the machine's roofline against 0.19 for the model's own forward on an AVX2 CPU;
+# sample/kl ~1e-10, i.e. fp32 rounding). Step 13.7 s on one thread of a 2-core AVX2 CPU, of which sampling
+# 3.5 s; 8.3 s with `--run.threads 2` on both cores, idle otherwise (docs/benchmarks.md).
 SMOLLM2_CPU = Config(
     model=ModelCfg(source="hf", path="smollm2"),
     env=EnvCfg(max_problems=6),
@@ -121,9 +121,9 @@ SMOLLM2_GPU = Config(
 # gradients stay small: LoRA r16's are 2.5M per pair), held-out accuracy on 50 problems of the training
 # levels every 10 steps. Levels 1-2 and lr 0.1 are where the honest reward trains it (docs/findings.md
 # 8.7-8.9: on level 3 almost no sample is solved; at lr 3e-3 the knobs barely move SmolLM2's singular values).
-# Step time, untrained (answers near 32 tokens; shorter answers later make steps ~1.4x faster): 12.6 s on one
-# thread of a 2-core AVX2 CPU, 7.6 s with `--run.threads 2` on both (idle otherwise), ~10 s with bf16 sampling
-# on one thread of an AVX-512 CPU; sampling at 0.6 of the machine's roofline (docs/benchmarks.md).
+# Step time, untrained (answers near 32 tokens; shorter answers later make steps ~1.4x faster): 11.4 s on one
+# thread of a 2-core AVX2 CPU, 6.7 s with `--run.threads 2` on both (idle otherwise), ~10 s with bf16 sampling
+# on one thread of an AVX-512 CPU; sampling at 0.68 of the machine's roofline (docs/benchmarks.md).
 SMOLLM2_MATH_CPU = Config(
     model=ModelCfg(source="hf", path="smollm2", knob="svd", rank=16),
     env=EnvCfg(name="maths", problems="arithmetic", modes=("strict",), curriculum_steps=10, eval_size=50,
