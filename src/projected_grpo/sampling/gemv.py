@@ -106,11 +106,16 @@ def block(W: Tensor) -> Tensor:
     return _module().block(W.detach())
 
 
+def _no_graph(name: str, *tensors: Tensor) -> None:
+    """Refuse a call that autograd would need to differentiate: these kernels have no backward."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(f"gemv.{name} has no backward (it serves the sampler): call it under "
+                           "torch.no_grad()")
+
+
 def matmul(x: Tensor, Wb: Tensor, N: int) -> Tensor:
     """x (..., K) fp32 · Wᵀ -> (..., N), W given as block(W). Sampling only: the kernel has no backward."""
-    if x.requires_grad and torch.is_grad_enabled():
-        raise RuntimeError("gemv.matmul has no backward (it serves the sampler): call it under "
-                           "torch.no_grad()")
+    _no_graph("matmul", x)
     y = _module().blocked_matmul(x.reshape(-1, x.shape[-1]), Wb, N)
     return y.view(*x.shape[:-1], N)
 
@@ -128,9 +133,7 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: floa
     """One query token's attention: q (N, Hkv, G, D), the G query heads that share a key/value head; k, v
     (N, n, Hkv, D) fp32, views of a cache's first n columns (heads contiguous); keep (N, n) bool or None
     (every column visible) -> (N, Hkv, G, D) = softmax(scale·q·kᵀ over the kept columns)·v. Sampling only."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        raise RuntimeError("gemv.attend_one has no backward (it serves the sampler): call it under "
-                           "torch.no_grad()")
+    _no_graph("attend_one", q, k, v)
     mask = torch.empty(0, dtype=torch.bool) if keep is None else keep
     return _module().attend_one(q.contiguous(), k, v, mask, float(scale))
 
@@ -138,9 +141,7 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: floa
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
     """x (..., E) fp32, w (E,) -> w · x / sqrt(mean(x²) + eps) per row: Hugging Face's RMSNorm in fp32 (its
     mean summed in another order: the same up to fp32 rounding), one C++ call. Sampling only."""
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        raise RuntimeError("gemv.rms_norm has no backward (it serves the sampler): call it under "
-                           "torch.no_grad()")
+    _no_graph("rms_norm", x, w)
     return _module().rms_norm(x, w.detach(), float(eps))
 
 
@@ -148,6 +149,5 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x (N, T, Hh, D) fp32 (each head's D contiguous), cos, sin (N, T, 1, D) -> x·cos + rotate_half(x)·sin
     (N, T, Hh, D): Hugging Face's apply_rotary_pos_emb for the q and k heads at once, one C++ call (an FMA
     may fuse a product into the sum: the same up to fp32 rounding). Sampling only."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        raise RuntimeError("gemv.rope has no backward (it serves the sampler): call it under torch.no_grad()")
+    _no_graph("rope", x)
     return _module().rope(x, cos, sin)

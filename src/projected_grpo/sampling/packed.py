@@ -211,8 +211,8 @@ class PackedLM:
                 lin(m.gate_proj), lin(m.up_proj), lin(m.down_proj), m.act_fn))
         self.norm = _scale(body.norm, dtype)
         self.lm_head = lin(model.lm_head)
-        # fp32 on a CPU: RMSNorm and the rotary embedding each one call of gemv.py's kernels, not ~10 and ~6
-        # ATen ops (a decode step's ops are a handful of rows: their per-call cost is the cost)
+        # fp32 on a CPU: RMSNorm, the rotary embedding and the decode's attention on gemv.py's kernels, one
+        # call each rather than ~10 ops, ~6 and sdpa's setup (at a handful of rows, per-call cost is the cost)
         self.own_ops = dtype == torch.float32 and self.embed.device.type == "cpu" and _blocked_kernel()
         self.k: list[Tensor] = []  # per layer (N, C, Hkv, D): keys after the rotary embedding
         self.v: list[Tensor] = []
@@ -294,9 +294,7 @@ class PackedLM:
                                   None if m is None else m[:, 0, 0], self.scale)
             return out.reshape(N, 1, Hkv * g * D)
 
-        kernel = self.dtype == torch.float32 and mask.device.type == "cpu" and D in gemv.HEAD_DIMS \
-            and _blocked_kernel()
-        attend = attend_kernel if kernel else attend_sdpa
+        attend = attend_kernel if self.own_ops and D in gemv.HEAD_DIMS else attend_sdpa
 
         def step(tok: Tensor, pos: Tensor, n: int) -> Tensor:
             return self._forward(tok[:, None], pos, None if full is None else full[..., :n], n - 1, attend)
