@@ -18,8 +18,8 @@ RW=$(mktemp -d)
 for dt in float32 bfloat16; do
     python -c "import sys, vs_trl; vs_trl.random_like(sys.argv[1], sys.argv[2], sys.argv[3])" "$MODEL_DIR" "$RW/$dt" $dt
     # 1 prompt x 64 samples x 128 tokens (+ a teacher row), the model's own weights in its dtype: the lean
-    # decode step, then the same step replayed from a CUDA graph (rollout.cuda_graph)
-    for graph in --rollout.no-cuda-graph --rollout.cuda-graph; do
+    # decode step, then the same step replayed from a CUDA graph (rollout.cuda_graph), that one profiled
+    for graph in --rollout.no-cuda-graph "--rollout.cuda-graph --profile 20"; do
         python benchmarks/roofline.py --preset smollm2-gpu --model "$RW/$dt" --rounds 3 --new 128 --prompts 1 \
             --model.dtype $dt --rollout.sample-dtype model --rollout.group-size 64 --rollout.mix 0.0 $graph
     done

@@ -31,6 +31,7 @@ F.linear in the model's dtype.
 
     PYTHONPATH=src .venv/bin/python benchmarks/roofline.py [--rounds 3] [--new 96] [--preset smollm2-cpu]
     ... --preset smollm2-gpu --model DIR --model.dtype bfloat16 --rollout.sample-dtype model --new 128
+    ... --profile 20    (then one more sampling round under torch.profiler: its 20 costliest ops)
     (any `--section.field VALUE` after the options above changes the preset, as every command's do)
 
 Needs `projected-grpo get-model smollm2` (the preset's model). Last line:
@@ -76,6 +77,25 @@ def _timed(fn, reps: int = 1):
         wall = time.perf_counter() - w
         best = min(best, (wall if DEVICE.type == "cuda" else time.process_time() - c, wall))
     return (*best, out)
+
+
+def profile_sampling(sample, top: int) -> None:
+    """One more sampling round under torch.profiler: its `top` costliest ops by self time (the device's on
+    CUDA), and on CUDA the kernels' summed time against the round's wall time: far below it, the decode is
+    bound by launches and the host, not by the device's work."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEVICE.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        _, wall, _ = _timed(sample)
+    events = prof.key_averages()
+    print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=top))
+    if cuda:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e6
+        print(f"profiled sampling round: {wall:.3f} s wall (under the profiler), kernels {busy:.3f} s "
+              f"({busy / wall:.2f} of it), {sum(e.count for e in kernels)} kernel runs")
 
 
 def probe(rows: int, d_in: int, d_out: int) -> dict[str, float]:
@@ -222,6 +242,8 @@ def main() -> None:
                     "rollout.prompts_per_step, as its rollout step samples them)")
     ap.add_argument("--sample-dtype", default="",
                     help="override rollout.sample_dtype (model, float32, bfloat16, auto)")
+    ap.add_argument("--profile", type=int, default=0, help="after the rounds, one more sampling round under "
+                    "torch.profiler: print its N costliest ops (0: none)")
     opt, overrides = ap.parse_known_args()
     argv = ["--preset", opt.preset, "--model", opt.model]
     argv += ["--rollout.sample-dtype", opt.sample_dtype] if opt.sample_dtype else []
@@ -309,6 +331,8 @@ def main() -> None:
               f"alone {row['kernel']:.2f}, ours {row['of_kernel']:.2f} of it) | training "
               f"{t_cpu:.2f} s cpu ({t_wall:.2f} wall), bound {t_bound:.2f} s -> {row['train']:.2f} "
               f"(wall {row['train_wall']:.2f})", flush=True)
+    if opt.profile:
+        profile_sampling(sample, opt.profile)
     env.close()
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     print(f"medians over {len(rows)} rounds: sampling {med['tok_s_cpu']:.0f} tok/s of a "
