@@ -92,10 +92,10 @@ def profile_sampling(sample, top: int) -> None:
     events = prof.key_averages()
     print(events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=top))
     if cuda:
-        kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-        busy = sum(e.self_device_time_total for e in kernels) / 1e6
+        kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6
         print(f"profiled sampling round: {wall:.3f} s wall (under the profiler), kernels {busy:.3f} s "
-              f"({busy / wall:.2f} of it), {sum(e.count for e in kernels)} kernel runs")
+              f"({busy / wall:.2f} of it), {len(kernels)} kernel runs")
 
 
 def probe(rows: int, d_in: int, d_out: int) -> dict[str, float]:
