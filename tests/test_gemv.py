@@ -206,6 +206,35 @@ def test_attend_one_is_the_same_bits_in_any_batch_and_thread_count():
 
 
 @needs_kernel
+@pytest.mark.parametrize("D", gemv.HEAD_DIMS)
+def test_attend_one_on_bf16_is_the_fp32_attention_of_the_widened_values_rounded_once(D):
+    # bf16 -> fp32 is exact, and the bf16 path runs the fp32 path's sums in its order: the same bits, then
+    # one rounding of the result to bf16
+    g = torch.Generator().manual_seed(D)
+    N, Hkv, G, n, C = 4, 3, 3, 41, 50
+    kc, vc = (torch.randn(N, C, Hkv, D, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(N, Hkv, G, D, generator=g).bfloat16()
+    keep = torch.rand(N, n, generator=g) > 0.3
+    keep[:, n - 1] = True
+    for m in (None, keep):
+        got = gemv.attend_one(q, kc[:, :n], vc[:, :n], m, D ** -0.5)
+        wide = gemv.attend_one(q.float(), kc[:, :n].float(), vc[:, :n].float(), m, D ** -0.5)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, wide.bfloat16())
+        # and sdpa's bf16 attention within bf16's rounding (it rounds its own intermediates too)
+        mask = None if m is None else m[:, None, None]
+        ref = F.scaled_dot_product_attention(q, kc[:, :n].transpose(1, 2), vc[:, :n].transpose(1, 2),
+                                             scale=D ** -0.5, attn_mask=mask)
+        assert (got.float() - ref.float()).abs().max() < 2e-2
+
+
+@needs_kernel
+def test_attend_one_refuses_mixed_dtypes():
+    q, k = torch.randn(1, 1, 1, 32), torch.randn(1, 2, 1, 32)
+    with pytest.raises(RuntimeError, match="both float32 or bfloat16"):
+        gemv.attend_one(q, k, k.bfloat16(), None, 1.0)
+
+
+@needs_kernel
 def test_attend_one_refuses_a_graph():
     q = torch.randn(1, 1, 1, 32, requires_grad=True)
     with pytest.raises(RuntimeError, match="no backward"):

@@ -13,10 +13,12 @@ import warnings
 
 import pytest
 import torch
-from adapter_helpers import GQA_ARCHS, GQA_VOCAB, randomize
+from adapter_helpers import GQA, GQA_ARCHS, GQA_VOCAB, randomize
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
 )
 
 from projected_grpo.knobs.adapters import wrap
@@ -28,7 +30,10 @@ from projected_grpo.sampling.sample import concrete_dtype, sample_and_grade
 from projected_grpo.sampling.score import forward_logprobs
 
 V = GQA_VOCAB
-BUILDERS = GQA_ARCHS
+# GQA_ARCHS' head size is 16, so their decode attends with sdpa; llama_d32's 32 is one gemv.attend_one is
+# built for (gemv.HEAD_DIMS), so its decode attends on that kernel (fp32 and bf16 on a CPU that builds it)
+BUILDERS = {**GQA_ARCHS, "llama_d32": lambda: LlamaForCausalLM(LlamaConfig(
+    **{**GQA, "hidden_size": 128, "intermediate_size": 256}, attn_implementation="sdpa"))}
 PROMPTS = {"padded": [[5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17]],
            "unpadded": [[5, 6, 7], [8, 9, 10]]}
 

@@ -131,11 +131,13 @@ HEAD_DIMS = (32, 64, 128, 256)  # the head sizes attend_one is built for (the C+
 
 def attend_one(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: float) -> Tensor:
     """One query token's attention: q (N, Hkv, G, D), the G query heads that share a key/value head; k, v
-    (N, n, Hkv, D) fp32, views of a cache's first n columns (heads contiguous); keep (N, n) bool or None
-    (every column visible) -> (N, Hkv, G, D) = softmax(scale·q·kᵀ over the kept columns)·v. Sampling only."""
+    (N, n, Hkv, D) fp32 or bf16 (both alike), views of a cache's first n columns (heads contiguous); keep
+    (N, n) bool or None (every column visible) -> (N, Hkv, G, D) in q's dtype = softmax(scale·q·kᵀ over the
+    kept columns)·v, computed in fp32 whatever the dtypes (bf16 inputs widened exactly, the result rounded
+    once at the end). Sampling only."""
     _no_graph("attend_one", q, k, v)
     mask = torch.empty(0, dtype=torch.bool) if keep is None else keep
-    return _module().attend_one(q.contiguous(), k, v, mask, float(scale))
+    return _module().attend_one(q.float().contiguous(), k, v, mask, float(scale)).to(q.dtype)
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:

@@ -115,10 +115,23 @@ static inline float hsum(v8 v) {  // a fixed tree: (lanes i + i+4), then (i + i+
   return a[0] + a[1];
 }
 
+// a KV cache's 8 values as fp32: fp32 as is, bf16 (its bits, as uint16) widened exactly (a float's high half)
+static inline v8 ldkv(const float* p) { return ld(p); }
+static inline v8 ldkv(const uint16_t* p) {
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  v8 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
 // one (row, kv head) task of attend_one, NV = D / 8 vectors per head: scores s (G, n) = scale·q·kᵀ, -inf
 // where a column is not kept
-template <int NVD>
-static void scores(const float* q, const float* k, int64_t sk1, const bool* keep, int64_t G, int64_t n,
+template <int NVD, typename KV>
+static void scores(const float* q, const KV* k, int64_t sk1, const bool* keep, int64_t G, int64_t n,
                    float sc, float* s) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t t = 0; t < n; ++t) {
@@ -127,7 +140,7 @@ static void scores(const float* q, const float* k, int64_t sk1, const bool* keep
       continue;
     }
     v8 kv[NVD];
-    for (int i = 0; i < NVD; ++i) kv[i] = ld(k + t * sk1 + 8 * i);
+    for (int i = 0; i < NVD; ++i) kv[i] = ldkv(k + t * sk1 + 8 * i);
     for (int64_t j = 0; j < G; ++j) {
       v8 acc = {};
       for (int i = 0; i < NVD; ++i) acc += ld(q + j * NVD * 8 + 8 * i) * kv[i];
@@ -137,49 +150,35 @@ static void scores(const float* q, const float* k, int64_t sk1, const bool* keep
 }
 
 // out (G, D) = p (G, n) · v, in halves of at most 4 vectors so the accumulators stay in registers
-template <int NVD>
-static void weighted(const float* p, const float* v, int64_t sv1, int64_t G, int64_t n, float* out) {
+template <int NVD, typename KV>
+static void weighted(const float* p, const KV* v, int64_t sv1, int64_t G, int64_t n, float* out) {
   constexpr int W = NVD < 4 ? NVD : 4;
   for (int64_t j = 0; j < G; ++j) {
     for (int i0 = 0; i0 < NVD; i0 += W) {
       v8 acc[W] = {};
       for (int64_t t = 0; t < n; ++t) {
         const float w = p[j * n + t];
-        for (int i = 0; i < W; ++i) acc[i] += w * ld(v + t * sv1 + 8 * (i0 + i));
+        for (int i = 0; i < W; ++i) acc[i] += w * ldkv(v + t * sv1 + 8 * (i0 + i));
       }
       for (int i = 0; i < W; ++i) std::memcpy(out + j * NVD * 8 + 8 * (i0 + i), &acc[i], sizeof(v8));
     }
   }
 }
 
-// One-token attention over a KV cache: q (N, Hkv, G, D) contiguous; k, v (N, n, Hkv, D) with any row and
-// column strides (views of the cache's first n columns), D in {32, 64, 128, 256}; keep (N, n) bool or an
-// empty tensor (every column visible). -> (N, Hkv, G, D): softmax(scale q·kᵀ, masked) · v, each (row, kv
-// head) one task, its sums over d and over columns in a fixed order; the softmax is ATen's
-torch::Tensor attend_one(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keep,
-                         double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.is_contiguous(),
-              "attend_one: q (N, Hkv, G, D) contiguous, k and v (N, n, Hkv, D)");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k.scalar_type() == torch::kFloat &&
-              v.scalar_type() == torch::kFloat, "attend_one: float32");
+// attend_one's two passes over one cache dtype KV (float, or uint16 for bf16's bits); s (N, Hkv, G, n)
+template <typename KV>
+static torch::Tensor attend_one_as(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                   const bool* mp, int64_t mstride, float sc, torch::Tensor s) {
   const int64_t N = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), n = k.size(1);
-  TORCH_CHECK(k.size(0) == N && k.size(2) == Hkv && k.size(3) == D && v.sizes() == k.sizes() &&
-              (D == 32 || D == 64 || D == 128 || D == 256) && k.stride(3) == 1 && v.stride(3) == 1 &&
-              k.stride(2) == D && v.stride(2) == D,
-              "attend_one: k, v (N, n, Hkv, D), D in {32, 64, 128, 256}, each head's D contiguous");
-  const bool masked = keep.numel() > 0;
-  TORCH_CHECK(!masked || (keep.scalar_type() == torch::kBool && keep.dim() == 2 && keep.size(0) == N &&
-              keep.size(1) == n && keep.stride(1) == 1), "attend_one: keep (N, n) bool, columns contiguous");
-  auto s = torch::empty({N, Hkv, G, n}, q.options());
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const bool* mp = masked ? keep.data_ptr<bool>() : nullptr;
+  const float* qp = q.data_ptr<float>();
+  const KV* kp = static_cast<const KV*>(k.data_ptr());
+  const KV* vp = static_cast<const KV*>(v.data_ptr());
   float* sp = s.data_ptr<float>();
-  const float sc = static_cast<float>(scale);
   at::parallel_for(0, N * Hkv, 1, [&](int64_t a0, int64_t a1) {
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t r = a / Hkv, h = a % Hkv;
-      const float* ka = kp + r * k.stride(0) + h * D;
-      const bool* ma = mp ? mp + r * keep.stride(0) : nullptr;
+      const KV* ka = kp + r * k.stride(0) + h * D;
+      const bool* ma = mp ? mp + r * mstride : nullptr;
       float* sa = sp + a * G * n;
       switch (D) {
         case 32: scores<4>(qp + a * G * D, ka, k.stride(1), ma, G, n, sc, sa); break;
@@ -196,7 +195,7 @@ torch::Tensor attend_one(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
   at::parallel_for(0, N * Hkv, 1, [&](int64_t a0, int64_t a1) {
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t r = a / Hkv, h = a % Hkv;
-      const float* va = vp + r * v.stride(0) + h * D;
+      const KV* va = vp + r * v.stride(0) + h * D;
       switch (D) {
         case 32: weighted<4>(pp + a * G * n, va, v.stride(1), G, n, op + a * G * D); break;
         case 64: weighted<8>(pp + a * G * n, va, v.stride(1), G, n, op + a * G * D); break;
@@ -206,6 +205,34 @@ torch::Tensor attend_one(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
     }
   });
   return out;
+}
+
+// One-token attention over a KV cache: q (N, Hkv, G, D) fp32 contiguous; k, v (N, n, Hkv, D) fp32 or bf16
+// (both alike) with any row and column strides (views of the cache's first n columns), D in {32, 64, 128,
+// 256}; keep (N, n) bool or an empty tensor (every column visible). -> (N, Hkv, G, D) fp32: softmax(scale
+// q·kᵀ, masked) · v, each (row, kv head) one task, its sums over d and over columns in a fixed order in fp32
+// (bf16 keys and values widened exactly); the softmax is ATen's
+torch::Tensor attend_one(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keep,
+                         double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.is_contiguous(),
+              "attend_one: q (N, Hkv, G, D) contiguous, k and v (N, n, Hkv, D)");
+  const bool bf16 = k.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && (bf16 || k.scalar_type() == torch::kFloat) &&
+              v.scalar_type() == k.scalar_type(), "attend_one: q float32, k and v both float32 or bfloat16");
+  const int64_t N = q.size(0), Hkv = q.size(1), G = q.size(2), D = q.size(3), n = k.size(1);
+  TORCH_CHECK(k.size(0) == N && k.size(2) == Hkv && k.size(3) == D && v.sizes() == k.sizes() &&
+              (D == 32 || D == 64 || D == 128 || D == 256) && k.stride(3) == 1 && v.stride(3) == 1 &&
+              k.stride(2) == D && v.stride(2) == D,
+              "attend_one: k, v (N, n, Hkv, D), D in {32, 64, 128, 256}, each head's D contiguous");
+  const bool masked = keep.numel() > 0;
+  TORCH_CHECK(!masked || (keep.scalar_type() == torch::kBool && keep.dim() == 2 && keep.size(0) == N &&
+              keep.size(1) == n && keep.stride(1) == 1), "attend_one: keep (N, n) bool, columns contiguous");
+  auto s = torch::empty({N, Hkv, G, n}, q.options());
+  const bool* mp = masked ? keep.data_ptr<bool>() : nullptr;
+  const int64_t ms = masked ? keep.stride(0) : 0;
+  const float sc = static_cast<float>(scale);
+  return bf16 ? attend_one_as<uint16_t>(q, k, v, mp, ms, sc, s)
+              : attend_one_as<float>(q, k, v, mp, ms, sc, s);
 }
 
 // RMSNorm of each row of x (M, E) fp32: w * (x * 1 / sqrt(mean(x²) + eps)), the mean a fixed-order sum (8

@@ -214,6 +214,10 @@ class PackedLM:
         # fp32 on a CPU: RMSNorm, the rotary embedding and the decode's attention on gemv.py's kernels, one
         # call each rather than ~10 ops, ~6 and sdpa's setup (at a handful of rows, per-call cost is the cost)
         self.own_ops = dtype == torch.float32 and self.embed.device.type == "cpu" and _blocked_kernel()
+        # bf16 on a CPU: the decode's attention too (on bf16 keys and values, in fp32): sdpa's bf16 path cost
+        # 1.5 ms a call at 32 rows, a third of the maths preset's sampling (docs/benchmarks.md, [48])
+        self.own_attend = (self.own_ops or dtype == torch.bfloat16 and self.embed.device.type == "cpu"
+                           and gemv.why_not() is None)
         self.k: list[Tensor] = []  # per layer (N, C, Hkv, D): keys after the rotary embedding
         self.v: list[Tensor] = []
 
@@ -287,14 +291,15 @@ class PackedLM:
             return out.reshape(N, 1, Hkv * g * D)
 
         def attend_kernel(q: Tensor, k: Tensor, v: Tensor, m: Tensor | None) -> Tensor:
-            # the same on gemv.py's one-token fp32 kernel: 2-3x faster than sdpa at a handful of rows, where
-            # sdpa's per-call setup is most of its time (docs/benchmarks.md, "The one-token attention")
+            # the same on gemv.py's one-token kernel (fp32 inside): in fp32 2-3x faster than sdpa at a handful
+            # of rows, where sdpa's per-call setup is most of its time (docs/benchmarks.md, "The one-token
+            # attention"); in bf16 sdpa's own cost is larger still
             N = q.shape[0]
             out = gemv.attend_one(q.reshape(N, Hkv, g, D), k.transpose(1, 2), v.transpose(1, 2),
                                   None if m is None else m[:, 0, 0], self.scale)
             return out.reshape(N, 1, Hkv * g * D)
 
-        attend = attend_kernel if self.own_ops and D in gemv.HEAD_DIMS else attend_sdpa
+        attend = attend_kernel if self.own_attend and D in gemv.HEAD_DIMS else attend_sdpa
 
         def step(tok: Tensor, pos: Tensor, n: int) -> Tensor:
             return self._forward(tok[:, None], pos, None if full is None else full[..., :n], n - 1, attend)
