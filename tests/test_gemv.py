@@ -269,6 +269,30 @@ def test_rms_norm_equals_f_rms_norm(shape):
 
 
 @needs_kernel
+def test_rms_norm_and_rope_on_bf16_are_their_fp32_results_on_the_widened_values_rounded_once():
+    from projected_grpo.sampling.decode_step import _rotate_half
+
+    g = torch.Generator().manual_seed(3)
+    x, w = (3 * torch.randn(4, 2, 576, generator=g)).bfloat16(), torch.randn(576, generator=g).bfloat16()
+    y = gemv.rms_norm(x, w, 1e-5)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, gemv.rms_norm(x.float(), w.float(), 1e-5).bfloat16())
+    # ATen's fused bf16 RMSNorm also computes in fp32 and rounds once: another summation order, so at most
+    # one bf16 step apart (2^-8 of the value, relative)
+    ref = F.rms_norm(x, (576,), w, 1e-5).float()
+    assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-30).all()
+    out = torch.randn(3, 5, 15 * 64, generator=g).bfloat16()  # a qkv output (9 q, 3 k, 3 v heads of 64)
+    qk = out[..., :12 * 64].view(3, 5, 12, 64)
+    angle = torch.randn(3, 5, 1, 32, generator=g).repeat(1, 1, 1, 2)
+    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+    r = gemv.rope(qk, cos, sin)
+    assert r.dtype == torch.bfloat16
+    assert torch.equal(r, gemv.rope(qk.float(), cos.float(), sin.float()).bfloat16())
+    # HF rounds each product and the sum to bf16: within a couple of bf16 steps of its magnitudes
+    hf = (qk * cos + _rotate_half(qk) * sin).float()
+    assert ((r.float() - hf).abs() <= 2 ** -7 * (qk.float().abs() + _rotate_half(qk).float().abs())).all()
+
+
+@needs_kernel
 def test_rope_equals_hf_rotary_on_a_strided_view():
     from projected_grpo.sampling.decode_step import _rotate_half
 

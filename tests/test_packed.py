@@ -171,10 +171,20 @@ def test_generate_bf16_is_seeded_and_scores_like_the_model():
 
 
 def test_greedy_bf16_picks_the_models_tokens():
+    """Greedy bf16 decoding follows the fp32 model's greedy tokens wherever bf16 cannot flip its choice: up to
+    the first step whose fp32 top-2 logit margin is under 0.2 (twice the 0.1 bf16 error bound above), where
+    either token may win and the rows may part."""
     model = _model("qwen2")
     kw = dict(max_new_tokens=8, temperature=0.0, seed=0, eos_id=[], pad_id=0)
     bf16, own = (generate(model, PROMPTS["padded"], 1, sample_dtype=d, **kw) for d in (torch.bfloat16, None))
-    assert all(map(torch.equal, bf16.completion_ids, own.completion_ids))
+    for prompt, ours, ref in zip(PROMPTS["padded"], bf16.completion_ids, own.completion_ids):
+        with torch.no_grad():  # the fp32 model's logits at each of its greedy steps
+            logits = model(torch.tensor([prompt + ref.tolist()])).logits[0, len(prompt) - 1:-1]
+        top2 = logits.topk(2, -1).values
+        margin = top2[:, 0] - top2[:, 1]  # (8,)
+        part = int((ours != ref).int().argmax()) if not torch.equal(ours, ref) else len(ref)
+        # parted only at a near-tie (each row's first step has a margin of 0.38-0.65: never vacuous)
+        assert part == len(ref) or margin[part] < 0.2, (part, margin.tolist())
 
 
 def test_shared_prefill_samples_the_same_distribution():

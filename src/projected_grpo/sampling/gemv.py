@@ -141,15 +141,17 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: floa
 
 
 def rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """x (..., E) fp32, w (E,) -> w · x / sqrt(mean(x²) + eps) per row: Hugging Face's RMSNorm in fp32 (its
-    mean summed in another order: the same up to fp32 rounding), one C++ call. Sampling only."""
+    """x (..., E) fp32 or bf16, w (E,) -> w · x / sqrt(mean(x²) + eps) per row in x's dtype: Hugging Face's
+    RMSNorm computed in fp32 (its mean summed in another order: the same up to fp32 rounding) and, for bf16,
+    rounded once at the end as ATen's fused rms_norm does; one C++ call. Sampling only."""
     _no_graph("rms_norm", x, w)
-    return _module().rms_norm(x, w.detach(), float(eps))
+    return _module().rms_norm(x, w.detach().float(), float(eps))
 
 
 def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x (N, T, Hh, D) fp32 (each head's D contiguous), cos, sin (N, T, 1, D) -> x·cos + rotate_half(x)·sin
-    (N, T, Hh, D): Hugging Face's apply_rotary_pos_emb for the q and k heads at once, one C++ call (an FMA
-    may fuse a product into the sum: the same up to fp32 rounding). Sampling only."""
+    """x (N, T, Hh, D) fp32 or bf16 (each head's D contiguous), cos, sin (N, T, 1, D) in x's dtype ->
+    x·cos + rotate_half(x)·sin (N, T, Hh, D): Hugging Face's apply_rotary_pos_emb for the q and k heads at
+    once, one C++ call, in fp32 (an FMA may fuse a product into the sum: the same up to fp32 rounding) and,
+    for bf16, rounded once at the end where HF rounds each product and the sum. Sampling only."""
     _no_graph("rope", x)
     return _module().rope(x, cos, sin)

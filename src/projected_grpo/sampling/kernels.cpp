@@ -235,63 +235,98 @@ torch::Tensor attend_one(torch::Tensor q, torch::Tensor k, torch::Tensor v, torc
               : attend_one_as<float>(q, k, v, mp, ms, sc, s);
 }
 
-// RMSNorm of each row of x (M, E) fp32: w * (x * 1 / sqrt(mean(x²) + eps)), the mean a fixed-order sum (8
-// lanes, then a tree) per row; rows in parallel only where there are many (a decode step's handful: serial)
+// one value of a tensor stored as fp32 or as bf16's bits (uint16): widened to fp32 exactly, and rounded back
+// to the nearest even bf16 (NaN kept a NaN), as torch's own conversions do
+static inline float wid(float f) { return f; }
+static inline float wid(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+static inline void put(float* p, float f) { *p = f; }
+static inline void put(uint16_t* p, float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  *p = std::isnan(f) ? uint16_t{0x7fc0} : static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <typename S>
+static void rms_norm_as(const S* xp, const float* wp, S* yp, int64_t M, int64_t E, float e) {
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const S* xr = xp + m * E;
+      S* yr = yp + m * E;
+      v8 acc = {};
+      int64_t i = 0;
+      for (; i + 8 <= E; i += 8) acc += ldkv(xr + i) * ldkv(xr + i);
+      float ss = hsum(acc);
+      for (; i < E; ++i) ss += wid(xr[i]) * wid(xr[i]);
+      const float r = 1.0f / std::sqrt(ss / static_cast<float>(E) + e);
+      for (i = 0; i < E; ++i) put(yr + i, wp[i] * (wid(xr[i]) * r));
+    }
+  });
+}
+
+// RMSNorm of each row of x (M, E), fp32 or bf16, with w (E,) fp32: w * (x * 1 / sqrt(mean(x²) + eps)) in
+// fp32, rounded once to x's dtype (as ATen's fused rms_norm does); the mean a fixed-order sum (8 lanes, then
+// a tree) per row; rows in parallel only where there are many (a decode step's handful: serial)
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat && w.dim() == 1 &&
-              x.size(-1) == w.size(0) && w.is_contiguous(), "rms_norm: x (..., E), w (E,) float32");
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((bf16 || x.scalar_type() == torch::kFloat) && w.scalar_type() == torch::kFloat &&
+              w.dim() == 1 && x.size(-1) == w.size(0) && w.is_contiguous(),
+              "rms_norm: x (..., E) float32 or bfloat16, w (E,) float32");
   x = x.contiguous();
   const int64_t E = x.size(-1), M = x.numel() / std::max<int64_t>(E, 1);
   auto y = torch::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
   const float e = static_cast<float>(eps);
-  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = xp + m * E;
-      float* yr = yp + m * E;
-      v8 acc = {};
-      int64_t i = 0;
-      for (; i + 8 <= E; i += 8) acc += ld(xr + i) * ld(xr + i);
-      float ss = hsum(acc);
-      for (; i < E; ++i) ss += xr[i] * xr[i];
-      const float r = 1.0f / std::sqrt(ss / static_cast<float>(E) + e);
-      for (i = 0; i < E; ++i) yr[i] = wp[i] * (xr[i] * r);
-    }
-  });
+  if (bf16)
+    rms_norm_as(static_cast<const uint16_t*>(x.data_ptr()), w.data_ptr<float>(),
+                static_cast<uint16_t*>(y.data_ptr()), M, E, e);
+  else
+    rms_norm_as(x.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, E, e);
   return y;
 }
 
-// The rotary embedding of x (N, T, Hh, D) (each head's D contiguous, heads D apart; any N, T strides) with
-// cos, sin (N, T, D): x·cos + rotate_half(x)·sin, rotate_half(x) = (-x[D/2:], x[:D/2]) -> (N, T, Hh, D)
-torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.dim() == 4 && x.scalar_type() == torch::kFloat && x.stride(3) == 1 && x.stride(2) == x.size(3)
-              && x.size(3) % 2 == 0, "rope: x (N, T, Hh, D) float32, each head contiguous, D even");
+template <typename S>
+static void rope_as(const torch::Tensor& x, const S* cp, const S* sp, S* yp) {
   const int64_t N = x.size(0), T = x.size(1), Hh = x.size(2), D = x.size(3), half = D / 2;
-  cos = cos.reshape({N, T, D}).contiguous();
-  sin = sin.reshape({N, T, D}).contiguous();
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat,
-              "rope: cos, sin float32");
-  auto y = torch::empty({N, T, Hh, D}, x.options());
-  const float *xp = x.data_ptr<float>(), *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+  const S* xp = static_cast<const S*>(x.data_ptr());
   at::parallel_for(0, N * T, 64, [&](int64_t a0, int64_t a1) {
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t nn = a / T, t = a % T;
-      const float* c = cp + a * D;
-      const float* s = sp + a * D;
+      const S* c = cp + a * D;
+      const S* s = sp + a * D;
       for (int64_t h = 0; h < Hh; ++h) {
-        const float* xh = xp + nn * x.stride(0) + t * x.stride(1) + h * D;
-        float* yh = yp + (a * Hh + h) * D;
-        for (int64_t d = 0; d < half; ++d) {
-          yh[d] = xh[d] * c[d] - xh[d + half] * s[d];
-        }
-        for (int64_t d = half; d < D; ++d) {
-          yh[d] = xh[d] * c[d] + xh[d - half] * s[d];
-        }
+        const S* xh = xp + nn * x.stride(0) + t * x.stride(1) + h * D;
+        S* yh = yp + (a * Hh + h) * D;
+        for (int64_t d = 0; d < half; ++d)
+          put(yh + d, wid(xh[d]) * wid(c[d]) - wid(xh[d + half]) * wid(s[d]));
+        for (int64_t d = half; d < D; ++d)
+          put(yh + d, wid(xh[d]) * wid(c[d]) + wid(xh[d - half]) * wid(s[d]));
       }
     }
   });
+}
+
+// The rotary embedding of x (N, T, Hh, D) (each head's D contiguous, heads D apart; any N, T strides) with
+// cos, sin (N, T, D), all fp32 or all bf16: x·cos + rotate_half(x)·sin, rotate_half(x) = (-x[D/2:], x[:D/2]),
+// in fp32, rounded once to x's dtype -> (N, T, Hh, D)
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(x.dim() == 4 && (dt == torch::kFloat || dt == torch::kBFloat16) && x.stride(3) == 1 &&
+              x.stride(2) == x.size(3) && x.size(3) % 2 == 0,
+              "rope: x (N, T, Hh, D) float32 or bfloat16, each head contiguous, D even");
+  const int64_t N = x.size(0), T = x.size(1), Hh = x.size(2), D = x.size(3);
+  cos = cos.reshape({N, T, D}).contiguous();
+  sin = sin.reshape({N, T, D}).contiguous();
+  TORCH_CHECK(cos.scalar_type() == dt && sin.scalar_type() == dt, "rope: cos, sin in x's dtype");
+  auto y = torch::empty({N, T, Hh, D}, x.options());
+  if (dt == torch::kBFloat16)
+    rope_as(x, static_cast<const uint16_t*>(cos.data_ptr()), static_cast<const uint16_t*>(sin.data_ptr()),
+            static_cast<uint16_t*>(y.data_ptr()));
+  else
+    rope_as(x, cos.data_ptr<float>(), sin.data_ptr<float>(), y.data_ptr<float>());
   return y;
 }
 

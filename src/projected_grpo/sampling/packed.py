@@ -10,14 +10,14 @@ gemv.py's blocks for fp32, oneDNN's prepacked layout for bf16; a plain tensor el
 layer's q/k/v projections concatenated into one matmul, the gate's SiLU, the up projection's product and the
 residual adds fused into their matmuls' epilogues where oneDNN runs them. The ops are those of the Hugging
 Face forward of the same model cast to `dtype` (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding
-by the model's own module, sdpa; in fp32 on a CPU RMSNorm, the rotary and the decode's attention by gemv.py's
-kernels), so the logits are that model's up to rounding (tests/test_packed.py), and the same inputs give the
-same outputs on a fixed machine. What changes against the policy's own forward: in
-bf16 the behaviour log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is no longer
-exactly 1 (the training loop logs its size: sample/* in docs/metrics.md); in fp32 only the summation order
-changes (~1e-6 in a log-prob), while the blocked kernel reads the weights about 2x faster at a handful of
-rows than oneDNN's prepacked fp32 one, and that 2-5x faster than F.linear (docs/benchmarks.md). The KV cache
-(per layer (N, C, Hkv, D), in `dtype`) lives here.
+by the model's own module, sdpa; on a CPU RMSNorm, the rotary and the decode's attention by gemv.py's
+kernels, computed in fp32 and rounded once to `dtype`), so the logits are that model's up to rounding
+(tests/test_packed.py), and the same inputs give the same outputs on a fixed machine. What changes against
+the policy's own forward: in bf16 the behaviour log-probs are the bf16 model's, so a student token's ratio
+pi_theta / mu is no longer exactly 1 (the training loop logs its size: sample/* in docs/metrics.md); in fp32
+only the summation order changes (~1e-6 in a log-prob), while the blocked kernel reads the weights about 2x
+faster at a handful of rows than oneDNN's prepacked fp32 one, and that 2-5x faster than F.linear
+(docs/benchmarks.md). The KV cache (per layer (N, C, Hkv, D), in `dtype`) lives here.
 Not here: the decode loop and samplers (generate.py), the exact fp32 step (decode_step.py).
 """
 
@@ -176,9 +176,11 @@ def _rope(qk: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (qk * cos) + (_rotate_half(qk) * sin)
 
 
-def _scale(norm, dtype: torch.dtype) -> Tensor:
-    """An RMSNorm's scale in dtype (the model cast to dtype)."""
-    return norm.weight.detach().to(dtype)
+def _scale(norm, dtype: torch.dtype, fp32: bool) -> Tensor:
+    """An RMSNorm's scale in dtype (the model cast to dtype); fp32: then widened to fp32 (exactly), as
+    gemv.rms_norm takes it."""
+    w = norm.weight.detach().to(dtype)
+    return w.float() if fp32 else w
 
 
 class PackedLM:
@@ -199,25 +201,28 @@ class PackedLM:
         self.scale, self.eps = a0.scaling, body.norm.variance_epsilon
         self.silu = getattr(config, "hidden_act", None) == "silu"  # fuses into the gate's matmul
 
+        # On a CPU, fp32 or bf16: RMSNorm, the rotary embedding and the decode's attention on gemv.py's
+        # kernels, one call each rather than ~10 ops, ~6 and sdpa's setup (at a handful of rows, per-call
+        # cost is the cost; sdpa's bf16 one-token path cost 1.5 ms a call at 32 rows: docs/benchmarks.md)
+        cpu = self.embed.device.type == "cpu"
+        self.own_ops = cpu and (dtype == torch.float32 and _blocked_kernel()
+                                or dtype == torch.bfloat16 and gemv.why_not() is None)
+
         def lin(module) -> PackedLinear:
             return packed_linear(*_weight(module), dtype, rows)
+
+        def scale(norm) -> Tensor:
+            return _scale(norm, dtype, fp32=self.own_ops)
 
         self.layers = []
         for layer in body.layers[:config.num_hidden_layers]:
             a, m = layer.self_attn, layer.mlp
             self.layers.append((
-                _scale(layer.input_layernorm, dtype), _fused((a.q_proj, a.k_proj, a.v_proj), dtype, rows),
-                lin(a.o_proj), _scale(layer.post_attention_layernorm, dtype),
+                scale(layer.input_layernorm), _fused((a.q_proj, a.k_proj, a.v_proj), dtype, rows),
+                lin(a.o_proj), scale(layer.post_attention_layernorm),
                 lin(m.gate_proj), lin(m.up_proj), lin(m.down_proj), m.act_fn))
-        self.norm = _scale(body.norm, dtype)
+        self.norm = scale(body.norm)
         self.lm_head = lin(model.lm_head)
-        # fp32 on a CPU: RMSNorm, the rotary embedding and the decode's attention on gemv.py's kernels, one
-        # call each rather than ~10 ops, ~6 and sdpa's setup (at a handful of rows, per-call cost is the cost)
-        self.own_ops = dtype == torch.float32 and self.embed.device.type == "cpu" and _blocked_kernel()
-        # bf16 on a CPU: the decode's attention too (on bf16 keys and values, in fp32): sdpa's bf16 path cost
-        # 1.5 ms a call at 32 rows, a third of the maths preset's sampling (docs/benchmarks.md, [48])
-        self.own_attend = (self.own_ops or dtype == torch.bfloat16 and self.embed.device.type == "cpu"
-                           and gemv.why_not() is None)
         self.k: list[Tensor] = []  # per layer (N, C, Hkv, D): keys after the rotary embedding
         self.v: list[Tensor] = []
 
@@ -299,7 +304,7 @@ class PackedLM:
                                   None if m is None else m[:, 0, 0], self.scale)
             return out.reshape(N, 1, Hkv * g * D)
 
-        attend = attend_kernel if self.own_attend and D in gemv.HEAD_DIMS else attend_sdpa
+        attend = attend_kernel if self.own_ops and D in gemv.HEAD_DIMS else attend_sdpa
 
         def step(tok: Tensor, pos: Tensor, n: int) -> Tensor:
             return self._forward(tok[:, None], pos, None if full is None else full[..., :n], n - 1, attend)
