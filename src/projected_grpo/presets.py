@@ -122,8 +122,9 @@ SMOLLM2_GPU = Config(
 # levels every 10 steps. Levels 1-2 and lr 0.1 are where the honest reward trains it (docs/findings.md
 # 8.7-8.9: on level 3 almost no sample is solved; at lr 3e-3 the knobs barely move SmolLM2's singular values).
 # Step time, untrained (answers near 32 tokens; shorter answers later make steps ~1.4x faster): 11.4 s on one
-# thread of a 2-core AVX2 CPU, 6.7 s with `--run.threads 2` on both (idle otherwise), ~10 s with bf16 sampling
-# on one thread of an AVX-512 CPU; sampling at 0.68 of the machine's roofline (docs/benchmarks.md).
+# thread of a 2-core AVX2 CPU, 6.7 s with `--run.threads 2` on both (idle otherwise); on a 2-core AVX-512 CPU
+# with bf16 units ~10 s on one thread (sampling 3.8 s), ~8.6 s on two. Sampling at 0.68 of the machine's
+# roofline in fp32 (AVX2), 0.45 of bf16's (AVX-512: 1.85x fp32's tokens/s there) (docs/benchmarks.md).
 SMOLLM2_MATH_CPU = Config(
     model=ModelCfg(source="hf", path="smollm2", knob="svd", rank=16),
     env=EnvCfg(name="maths", problems="arithmetic", modes=("strict",), curriculum_steps=10, eval_size=50,
