@@ -1,5 +1,6 @@
-"""The packed sampler's fp32 kernels on CPU (their C++ in kernels.cpp): the few-row matmul, the one-token
-attention, RMSNorm and the rotary embedding.
+"""The packed sampler's kernels on CPU (their C++ in kernels.cpp): the few-row fp32 matmul, and the one-token
+attention, RMSNorm and the rotary embedding for fp32 and bf16 (bf16 values widened exactly, the sums in fp32,
+the result rounded once to bf16).
 
 The matmul: x (M, K) · Wᵀ with W (N, K) laid out once in blocks of 24 output columns, (ceil(N / 24), K, 24);
 each block is streamed from memory once while rows accumulate in registers, four at a time, over slices of
@@ -29,7 +30,8 @@ share a key/value head taken together. At a handful of rows sdpa's per-call setu
 softmax ATen's, the weighted sum one pass over the values, each (row, key/value head) one thread's fixed-order
 sums, so again the same bits in any batch and thread count (docs/benchmarks.md, "The one-token attention").
 RMSNorm and the rotary embedding are one call each instead of ~10 and ~6 ATen ops of a few µs apiece, which
-at a handful of rows are their whole cost.
+at a handful of rows are their whole cost. In bf16 sdpa's one-token path is slower still (1.5 ms a call at 32
+rows on an AVX-512 CPU): the same kernels there made bf16 sampling 1.45x faster (docs/benchmarks.md, [50]).
 """
 
 from __future__ import annotations
