@@ -33,9 +33,8 @@ def step_times(rows: int, n: int, reps: int, dtype: torch.dtype) -> tuple[float,
     """(sdpa s, kernel s, max |difference|) of one decode step's attention at `rows` rows, n columns."""
     g = torch.Generator().manual_seed(rows * 1000 + n)
     C = n + 32  # a cache with room left, as the sampler allocates it: k, v are views of its first n columns
-    caches = [(torch.randn(rows, C, HKV, D, generator=g).to(dtype), torch.randn(rows, C, HKV, D,
-                                                                                generator=g).to(dtype))
-              for _ in range(L)]
+    cache = lambda: torch.randn(rows, C, HKV, D, generator=g).to(dtype)
+    caches = [(cache(), cache()) for _ in range(L)]
     q = torch.randn(rows, HKV, G, D, generator=g).to(dtype)
     keep = torch.rand(rows, n, generator=g) > 0.2
     keep[:, -1] = True

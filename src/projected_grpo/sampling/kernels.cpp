@@ -115,9 +115,9 @@ static inline float hsum(v8 v) {  // a fixed tree: (lanes i + i+4), then (i + i+
   return a[0] + a[1];
 }
 
-// a KV cache's 8 values as fp32: fp32 as is, bf16 (its bits, as uint16) widened exactly (a float's high half)
-static inline v8 ldkv(const float* p) { return ld(p); }
-static inline v8 ldkv(const uint16_t* p) {
+// 8 values stored as fp32 or as bf16's bits (uint16), as fp32: bf16 widened exactly (a float's high half)
+static inline v8 ldf(const float* p) { return ld(p); }
+static inline v8 ldf(const uint16_t* p) {
   typedef uint16_t u16x8 __attribute__((vector_size(16)));
   typedef uint32_t u32x8 __attribute__((vector_size(32)));
   u16x8 h;
@@ -140,7 +140,7 @@ static void scores(const float* q, const KV* k, int64_t sk1, const bool* keep, i
       continue;
     }
     v8 kv[NVD];
-    for (int i = 0; i < NVD; ++i) kv[i] = ldkv(k + t * sk1 + 8 * i);
+    for (int i = 0; i < NVD; ++i) kv[i] = ldf(k + t * sk1 + 8 * i);
     for (int64_t j = 0; j < G; ++j) {
       v8 acc = {};
       for (int i = 0; i < NVD; ++i) acc += ld(q + j * NVD * 8 + 8 * i) * kv[i];
@@ -158,7 +158,7 @@ static void weighted(const float* p, const KV* v, int64_t sv1, int64_t G, int64_
       v8 acc[W] = {};
       for (int64_t t = 0; t < n; ++t) {
         const float w = p[j * n + t];
-        for (int i = 0; i < W; ++i) acc[i] += w * ldkv(v + t * sv1 + 8 * (i0 + i));
+        for (int i = 0; i < W; ++i) acc[i] += w * ldf(v + t * sv1 + 8 * (i0 + i));
       }
       for (int i = 0; i < W; ++i) std::memcpy(out + j * NVD * 8 + 8 * (i0 + i), &acc[i], sizeof(v8));
     }
@@ -259,7 +259,7 @@ static void rms_norm_as(const S* xp, const float* wp, S* yp, int64_t M, int64_t 
       S* yr = yp + m * E;
       v8 acc = {};
       int64_t i = 0;
-      for (; i + 8 <= E; i += 8) acc += ldkv(xr + i) * ldkv(xr + i);
+      for (; i + 8 <= E; i += 8) acc += ldf(xr + i) * ldf(xr + i);
       float ss = hsum(acc);
       for (; i < E; ++i) ss += wid(xr[i]) * wid(xr[i]);
       const float r = 1.0f / std::sqrt(ss / static_cast<float>(E) + e);

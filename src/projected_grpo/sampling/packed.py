@@ -167,7 +167,8 @@ def _fused(linears, dtype: torch.dtype, rows: int) -> PackedLinear:
 
 
 def _rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """HF's RMSNorm in x's dtype (fp32 inside, cast back, then scaled): x (..., E), w (E,)."""
+    """RMSNorm of x (..., E) with w (E,) in x's dtype by ATen's fused op: fp32 inside, rounded once (HF's
+    module also rounds before scaling by w: in bf16 the two are one rounding apart)."""
     return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
@@ -205,8 +206,10 @@ class PackedLM:
         # kernels, one call each rather than ~10 ops, ~6 and sdpa's setup (at a handful of rows, per-call
         # cost is the cost; sdpa's bf16 one-token path cost 1.5 ms a call at 32 rows: docs/benchmarks.md)
         cpu = self.embed.device.type == "cpu"
+        # (fp32 asks _blocked_kernel(), which also warns where the build fails: its matmul needs it too)
         self.own_ops = cpu and (dtype == torch.float32 and _blocked_kernel()
                                 or dtype == torch.bfloat16 and gemv.why_not() is None)
+        self.norm_op, self.rope_op = (gemv.rms_norm, gemv.rope) if self.own_ops else (_rms_norm, _rope)
 
         def lin(module) -> PackedLinear:
             return packed_linear(*_weight(module), dtype, rows)
@@ -235,9 +238,9 @@ class PackedLM:
         x = F.embedding(ids, self.embed).to(self.dtype)  # (N, T, E): the embedding rows in dtype
         cos, sin = self.rotary(x, pos)  # (N, T, D): the model's own rotary module (any rope type)
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # (N, T, 1, D): the heads of q and k at once
-        norm, rope = (gemv.rms_norm, gemv.rope) if self.own_ops else (_rms_norm, _rope)
+        norm, rope = self.norm_op, self.rope_op
         for i, (w1, qkv, o, w2, gate, up, down, act) in enumerate(self.layers):
-            h = norm(x, w1, eps)  # (N, T, E): HF's RMSNorm (fp32 inside, cast, then scaled)
+            h = norm(x, w1, eps)  # (N, T, E): RMSNorm, fp32 inside, in x's dtype
             out = qkv(h)  # (N, T, (H + 2 Hkv) D)
             qk = rope(out[..., :(H + Hkv) * D].view(N, T, H + Hkv, D), cos, sin)
             self.k[i][:, start:end] = qk[:, :, H:]
