@@ -1,4 +1,4 @@
-"""gemv.py: the few-row fp32 kernel computes x·Wᵀ (a hand-worked example, then F.linear within fp32
+"""gemv.py: the few-row kernel computes x·Wᵀ (a hand-worked example, then F.linear within fp32
 rounding at every row-tile and k-slice boundary), and it is bit-reproducible by construction: a row's output
 does not depend on the thread count, on the other rows in the batch, or on the run. Where this machine has a
 C++ compiler and ninja, the kernel must build (so CI catches a broken build rather than quietly sampling with
@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import platform
 import shutil
-import warnings
 
 import pytest
 import torch
@@ -117,12 +116,10 @@ def test_a_failed_build_warns_with_its_reason_and_falls_back(monkeypatch):
     reason = "building the few-row fp32 kernel failed (RuntimeError: no c++)"
     monkeypatch.setattr(gemv, "why_not", lambda: reason)
     monkeypatch.setattr(packed, "_blocked_kernel", packed._blocked_kernel.__wrapped__)
-    with pytest.warns(UserWarning, match="no c\\+\\+.*oneDNN"):
-        lin = packed.packed_linear(torch.randn(5, 3), None, torch.float32, rows=1)
-    assert lin.kernel == ("onednn" if packed.packs_on_cpu(torch.float32) else "plain")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert packed.packed_linear(torch.randn(5, 3), None, torch.bfloat16, rows=1).kernel != "blocked"
+    for dtype in (torch.float32, torch.bfloat16):  # bf16 at a handful of rows would take it too
+        with pytest.warns(UserWarning, match="no c\\+\\+.*oneDNN"):
+            lin = packed.packed_linear(torch.randn(5, 3), None, dtype, rows=1)
+        assert lin.kernel == ("onednn" if packed.packs_on_cpu(dtype) else "plain")
 
 
 @needs_kernel
@@ -136,6 +133,47 @@ def test_packed_linear_epilogues_on_the_blocked_kernel():
     assert torch.allclose(lin.swish(x), F.silu(ref), atol=1e-5)
     assert torch.allclose(lin.then(x, y, "add"), ref + y, atol=1e-5)
     assert torch.allclose(lin.then(x, y, "mul"), ref * y, atol=1e-5)
+
+
+@needs_kernel
+def test_block_of_bf16_weights_is_a_copy_of_their_bits():
+    W = torch.randn(30, 7).bfloat16()
+    Wb = gemv.block(W)
+    assert Wb.dtype == torch.bfloat16 and Wb.shape == (2, 7, 24)
+    assert torch.equal(Wb.float(), gemv.block(W.float()))  # the same layout; the 18 padding columns +0.0
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [1, 3, 5])
+@pytest.mark.parametrize("N, K", [(50, 300), (7, 600)])
+def test_bf16_weights_are_the_fp32_kernel_on_the_widened_values_rounded_once(M, N, K):
+    """bf16 blocks are widened exactly in the loop: the same fp32 sums, bit for bit, as fp32 blocks of the
+    same values; a bf16 x is widened first and the result (bias added in fp32) rounded once, as oneDNN's
+    bf16 matmul rounds."""
+    g = torch.Generator().manual_seed(M * 100 + N)
+    W, x = torch.randn(N, K, generator=g).bfloat16(), torch.randn(M, K, generator=g)
+    b = torch.randn(N, generator=g).bfloat16()
+    y32 = gemv.matmul(x, gemv.block(W.float()), N)
+    assert torch.equal(gemv.matmul(x, gemv.block(W), N), y32)  # fp32 x: the fp32 result
+    xb = x.bfloat16()
+    want = (gemv.matmul(xb.float(), gemv.block(W.float()), N) + b.float()).bfloat16()
+    got = gemv.matmul(xb, gemv.block(W), N, b)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    # against F.linear on the same bf16 values: within a bf16 rounding of the fp32 sum (one step is at most
+    # 2^-8 of a value's magnitude, rounding to nearest), plus fp32's reordering of K terms
+    ref = F.linear(xb.double(), W.double(), b.double())
+    assert ((got.double() - ref).abs() <= ref.abs() * 2.0**-8 + 1e-4).all()
+
+
+@needs_kernel
+def test_packed_linear_bf16_takes_the_blocked_kernel_at_a_handful_of_rows(monkeypatch):
+    W = torch.randn(30, 16)
+    at = packed.BF16_BLOCKED_ROWS
+    assert packed.packed_linear(W, None, torch.bfloat16, rows=at).kernel == "blocked"
+    above = packed.packed_linear(W, None, torch.bfloat16, rows=at + 1).kernel
+    assert above == ("onednn" if packed.packs_on_cpu(torch.bfloat16) else "blocked")
+    monkeypatch.setattr(packed, "packs_on_cpu", lambda dtype=torch.bfloat16: dtype != torch.bfloat16)
+    assert packed.packed_linear(W, None, torch.bfloat16, rows=64).kernel == "blocked"  # an AVX2 CPU: any rows
 
 
 @needs_kernel

@@ -213,10 +213,12 @@ def test_merged_knobs_are_sampled():
 
 
 def test_unpacked_fallback_agrees(monkeypatch):
-    """Without oneDNN's packing (other devices, older torch) the same ops run as plain bf16 F.linear."""
+    """Without oneDNN's packing nor gemv.py's kernel (other devices, older torch, no compiler) the same ops
+    run as plain bf16 F.linear."""
     model = _model("llama_sdpa")
     fp32, _, packed_lp = _teacher_forced(model, PROMPTS["padded"], new=3)
     monkeypatch.setattr(packed, "packs_on_cpu", lambda dtype=torch.bfloat16: False)
+    monkeypatch.setattr(packed, "_blocked_kernel", lambda: False)
     _, _, plain_lp = _teacher_forced(model, PROMPTS["padded"], new=3)
     assert PackedLM(model, rows=1).lm_head.kernel == "plain"
     assert (plain_lp - packed_lp).abs().max() < 0.1 and (plain_lp - fp32).abs().max() < 0.1
@@ -266,6 +268,11 @@ def test_auto_picks_bf16_only_where_the_cpu_has_bf16_kernels(monkeypatch, bf16_k
 def test_bf16_without_bf16_kernels_warns_once_and_fp32_never(monkeypatch):
     model = _model("llama_sdpa")
     monkeypatch.setattr(packed, "packs_on_cpu", lambda dtype=torch.bfloat16: dtype != torch.bfloat16)
+    if gemv.why_not() is None:  # an AVX2 CPU with a compiler: gemv.py's kernel takes the bf16 weights
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert PackedLM(model, rows=64, dtype=torch.bfloat16).lm_head.kernel == "blocked"
+    monkeypatch.setattr(gemv, "why_not", lambda: "no c++")  # and without one: unpacked, with a warning
     with pytest.warns(UserWarning, match="without oneDNN bf16 kernels.*'auto'"):
         PackedLM(model, rows=1, dtype=torch.bfloat16)
     with warnings.catch_warnings():

@@ -1,10 +1,14 @@
-"""The packed sampler's kernels on CPU (their C++ in kernels.cpp): the few-row fp32 matmul, and the one-token
-attention, RMSNorm and the rotary embedding for fp32 and bf16 (bf16 values widened exactly, the sums in fp32,
-the result rounded once to bf16).
+"""The packed sampler's kernels on CPU (their C++ in kernels.cpp): the few-row matmul, the one-token
+attention, RMSNorm and the rotary embedding, each for fp32 and bf16 (bf16 values widened exactly, the sums in
+fp32, the result rounded once to bf16).
 
 The matmul: x (M, K) · Wᵀ with W (N, K) laid out once in blocks of 24 output columns, (ceil(N / 24), K, 24);
 each block is streamed from memory once while rows accumulate in registers, four at a time, over slices of
-256 k that stay in the L1 cache while every row tile passes.
+256 k that stay in the L1 cache while every row tile passes. bf16 weights are half the bytes to stream and
+are widened in registers (exactly: a bf16 is a float's high half), so a bf16 block gives the bits the fp32
+block of the same values gives; at 1-3 rows that reads SmolLM2's projections 1.1-1.7x faster than oneDNN's
+bf16 kernel and 1.2-1.8x faster than the fp32 blocks (above 3 rows the widening costs more than it saves:
+packed.BF16_BLOCKED_ROWS; docs/benchmarks.md [58]).
 
 Why written by hand: at a handful of rows a decode step's matmul is a read of the weights, and its speed is
 the read bandwidth. oneDNN's prepacked fp32 kernel (torch.ops.mkldnn, what the sampler used before) reads
@@ -103,8 +107,8 @@ def why_not() -> str | None:
 
 
 def block(W: Tensor) -> Tensor:
-    """W (N, K) fp32 -> (ceil(N / 24), K, 24): column block b holds rows 24·b .. 24·b + 23 of W, the last
-    padded with zeros (24: the C++ source's NR)."""
+    """W (N, K) fp32 or bf16 -> (ceil(N / 24), K, 24) in W's dtype: column block b holds rows 24·b ..
+    24·b + 23 of W, the last padded with zeros (24: the C++ source's NR)."""
     return _module().block(W.detach())
 
 
@@ -115,11 +119,15 @@ def _no_graph(name: str, *tensors: Tensor) -> None:
                            "torch.no_grad()")
 
 
-def matmul(x: Tensor, Wb: Tensor, N: int) -> Tensor:
-    """x (..., K) fp32 · Wᵀ -> (..., N), W given as block(W). Sampling only: the kernel has no backward."""
+def matmul(x: Tensor, Wb: Tensor, N: int, b: Tensor | None = None) -> Tensor:
+    """x (..., K) · Wᵀ + b -> (..., N) in x's dtype, W given as block(W); x and W fp32 or bf16, b (N,) or
+    None. Computed in fp32 (bf16 values widened exactly, the bias added to the fp32 sums) and, for a bf16 x,
+    rounded once at the end, as oneDNN's bf16 matmul rounds. Sampling only: the kernel has no backward."""
     _no_graph("matmul", x)
-    y = _module().blocked_matmul(x.reshape(-1, x.shape[-1]), Wb, N)
-    return y.view(*x.shape[:-1], N)
+    y = _module().blocked_matmul(x.reshape(-1, x.shape[-1]).float(), Wb, N)
+    if b is not None:
+        y.add_(b)
+    return y.view(*x.shape[:-1], N).to(x.dtype)
 
 
 def threads_used(n: int = 64) -> int:

@@ -9,6 +9,9 @@
 #include <cstring>
 #include <cmath>
 #include <limits>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
 constexpr int64_t NV = 3, NR = 8 * NV;  // a block: NR output columns as NV vectors
@@ -16,11 +19,28 @@ constexpr int64_t KC = 256;  // a slice of a block: 256 x 24 floats = 24 KiB, wi
 
 static inline v8 ld(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
 
-// R rows (1..4) of x against k0 .. k1 - 1 of one block w (K, NR): y[r, 0:cols] = (k0 > 0 ? y[r] : 0) +
-// sum_k x[r, k] * w[k, :], k in order, so a sum split at any k0 is the same sum
+// 8 values stored as fp32 or as bf16's bits (uint16), as fp32: bf16 widened exactly (a float's high half)
+static inline v8 ldf(const float* p) { return ld(p); }
+static inline v8 ldf(const uint16_t* p) {
+#ifdef __AVX2__  // one vpmovzxwd from memory and a shift: GCC lowers the generic form below to two halves
+  return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
+#endif
+  typedef uint16_t u16x8 __attribute__((vector_size(16)));
+  typedef uint32_t u32x8 __attribute__((vector_size(32)));
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  v8 v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+// R rows (1..4) of x against k0 .. k1 - 1 of one block w (K, NR) of fp32 or bf16 weights (W: float or
+// uint16_t, bf16 widened exactly): y[r, 0:cols] = (k0 > 0 ? y[r] : 0) + sum_k x[r, k] * w[k, :] in fp32, k
+// in order, so a sum split at any k0 is the same sum
 // pf .. pf_end: bytes of the weight stream to prefetch into L2 meanwhile, a line per k (none: pf_end = pf)
-template <int R>
-static inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const float* w, float* y,
+template <int R, typename W>
+static inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const W* w, float* y,
                         int64_t ldy, int64_t cols, const char* pf, const char* pf_end) {
   v8 acc[R][NV] = {};
   if (k0 > 0)
@@ -29,7 +49,7 @@ static inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const
     if (pf < pf_end) { __builtin_prefetch(pf, 0, 1); pf += 64; }
     v8 wv[NV];
 #pragma GCC unroll 4
-    for (int64_t j = 0; j < NV; ++j) wv[j] = ld(w + k * NR + 8 * j);
+    for (int64_t j = 0; j < NV; ++j) wv[j] = ldf(w + k * NR + 8 * j);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * K + k];
@@ -41,44 +61,43 @@ static inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const
 }
 
 // W (N, K) -> (ceil(N / NR), K, NR), the last block's missing columns zero: each block gathers NR rows of W
-// (NR sequential read streams, one write stream)
-torch::Tensor block(torch::Tensor W) {
-  TORCH_CHECK(W.dim() == 2 && W.scalar_type() == torch::kFloat, "block: W (N, K) float32");
-  W = W.contiguous();
-  const int64_t N = W.size(0), K = W.size(1), nb = (N + NR - 1) / NR;
-  auto out = torch::empty({nb, K, NR}, W.options());
-  const float* wp = W.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+// (NR sequential read streams, one write stream). T: float, or uint16_t for bf16's bits (a copy, no rounding)
+template <typename T>
+static void block_as(const T* wp, T* op, int64_t N, int64_t K, int64_t nb) {
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t rows = std::min(NR, N - b * NR);
-      const float* src = wp + b * NR * K;
-      float* ob = op + b * K * NR;
+      const T* src = wp + b * NR * K;
+      T* ob = op + b * K * NR;
       for (int64_t k = 0; k < K; ++k) {  // writes in order; reads NR rows in step, a cache line per 16 k
         for (int64_t r = 0; r < rows; ++r) ob[k * NR + r] = src[r * K + k];
-        for (int64_t r = rows; r < NR; ++r) ob[k * NR + r] = 0.0f;
+        for (int64_t r = rows; r < NR; ++r) ob[k * NR + r] = 0;  // +0.0 in both dtypes
       }
     }
   });
+}
+
+torch::Tensor block(torch::Tensor W) {
+  const bool bf16 = W.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(W.dim() == 2 && (bf16 || W.scalar_type() == torch::kFloat), "block: W (N, K) float32 or bf16");
+  W = W.contiguous();
+  const int64_t N = W.size(0), K = W.size(1), nb = (N + NR - 1) / NR;
+  auto out = torch::empty({nb, K, NR}, W.options());
+  if (bf16)
+    block_as(static_cast<const uint16_t*>(W.data_ptr()), static_cast<uint16_t*>(out.data_ptr()), N, K, nb);
+  else
+    block_as(W.data_ptr<float>(), out.data_ptr<float>(), N, K, nb);
   return out;
 }
 
-torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && Wb.dim() == 3 && Wb.size(2) == NR && x.size(1) == Wb.size(1),
-              "blocked_matmul: x (M, K), Wb (ceil(N / ", NR, "), K, ", NR, ")");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && Wb.scalar_type() == torch::kFloat,
-              "blocked_matmul: float32");
-  x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), nb = Wb.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = Wb.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
+template <typename T>
+static void blocked_matmul_as(const float* xp, const T* wp, float* yp, int64_t M, int64_t K, int64_t N,
+                              int64_t nb) {
   const char* end = reinterpret_cast<const char*>(wp + nb * K * NR);  // the stream's end: no prefetch past it
   const int64_t tiles = (M + 3) / 4;
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const float* w = wp + b * K * NR;
+      const T* w = wp + b * K * NR;
       const int64_t cols = std::min(NR, N - b * NR);
       // more than 4 rows read the block once per 4: in slices of KC rows of k, each slice stays in L1 while
       // every row tile passes over it. Meanwhile the row tiles share out a prefetch of the stream's next
@@ -87,7 +106,7 @@ torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t k1 = std::min(K, k0 + KC);
         const char* next = reinterpret_cast<const char*>(w + k1 * NR);
-        const int64_t ahead = tiles == 1 ? 0 : std::min<int64_t>((k1 - k0) * NR * 4, end - next);
+        const int64_t ahead = tiles == 1 ? 0 : std::min<int64_t>((k1 - k0) * NR * sizeof(T), end - next);
         const int64_t share = (ahead + tiles - 1) / tiles;
         for (int64_t m = 0; m < M; m += 4) {
           const float* xm = xp + m * K;
@@ -104,6 +123,25 @@ torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
       }
     }
   });
+}
+
+// x (M, K) fp32 against Wb = block(W), W fp32 or bf16 -> (M, N) fp32: every output one thread's fixed-order
+// fp32 sum (bf16 weights widened exactly), so the same bits for bf16 blocks as for fp32 blocks of the same
+// (widened) values
+torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && Wb.dim() == 3 && Wb.size(2) == NR && x.size(1) == Wb.size(1),
+              "blocked_matmul: x (M, K), Wb (ceil(N / ", NR, "), K, ", NR, ")");
+  const bool bf16 = Wb.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && (bf16 || Wb.scalar_type() == torch::kFloat),
+              "blocked_matmul: x float32, Wb float32 or bfloat16");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), nb = Wb.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  if (bf16)
+    blocked_matmul_as(x.data_ptr<float>(), static_cast<const uint16_t*>(Wb.data_ptr()), y.data_ptr<float>(),
+                      M, K, N, nb);
+  else
+    blocked_matmul_as(x.data_ptr<float>(), Wb.data_ptr<float>(), y.data_ptr<float>(), M, K, N, nb);
   return y;
 }
 
@@ -113,19 +151,6 @@ static inline float hsum(v8 v) {  // a fixed tree: (lanes i + i+4), then (i + i+
   v4 a = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
   a += __builtin_shufflevector(a, a, 2, 3, 0, 1);
   return a[0] + a[1];
-}
-
-// 8 values stored as fp32 or as bf16's bits (uint16), as fp32: bf16 widened exactly (a float's high half)
-static inline v8 ldf(const float* p) { return ld(p); }
-static inline v8 ldf(const uint16_t* p) {
-  typedef uint16_t u16x8 __attribute__((vector_size(16)));
-  typedef uint32_t u32x8 __attribute__((vector_size(32)));
-  u16x8 h;
-  std::memcpy(&h, p, sizeof h);
-  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  v8 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
 }
 
 // one (row, kv head) task of attend_one, NV = D / 8 vectors per head: scores s (G, n) = scale·q·kᵀ, -inf

@@ -6,9 +6,10 @@ A decode step of a small model reads every weight once per token for a handful o
 memory traffic of the weights (docs/benchmarks.md, roofline): bf16 halves it, and on a CPU with bf16 units
 oneDNN's bf16 kernels are also faster per row than fp32 ones. `PackedLM(model, rows, dtype)` copies the
 weights once per `generate` call: each projection in `dtype`, laid out for its kernel (packed_linear: on CPU
-gemv.py's blocks for fp32, oneDNN's prepacked layout for bf16; a plain tensor elsewhere, e.g. CUDA), a
-layer's q/k/v projections concatenated into one matmul, the gate's SiLU, the up projection's product and the
-residual adds fused into their matmuls' epilogues where oneDNN runs them. The ops are those of the Hugging
+gemv.py's blocks for fp32, and for bf16 at a handful of rows or where oneDNN has no bf16 kernels, else
+oneDNN's prepacked layout; a plain tensor elsewhere, e.g. CUDA), a layer's q/k/v projections concatenated
+into one matmul, the gate's SiLU, the up projection's product and the residual adds fused into their
+matmuls' epilogues where oneDNN runs them. The ops are those of the Hugging
 Face forward of the same model cast to `dtype` (modeling_llama.py: fp32 RMSNorm cast back, rotary embedding
 by the model's own module, sdpa; on a CPU RMSNorm, the rotary and the decode's attention by gemv.py's
 kernels, computed in fp32 and rounded once to `dtype`), so the logits are that model's up to rounding
@@ -62,15 +63,17 @@ def auto_dtype(device: str) -> str:
 
 
 def warn_if_unpacked(dtype: torch.dtype, device: torch.device) -> None:
-    """Warn (once per process and call site) that bf16 sampling on this CPU has no bf16 kernels to pack for.
+    """Warn (once per process and call site) that bf16 sampling on this CPU has no kernel to pack for: neither
+    oneDNN's bf16 ones nor gemv.py's few-row kernel (which takes bf16 weights on any x86 CPU with AVX2).
 
     Without them every bf16 matmul runs as a plain bf16 F.linear: on an AVX2 CPU the `smollm2-math-cpu` step
     measured 2.4x the time (sampling 3.1x) of packed fp32, its peak memory 11.5 GB against 3.2 after 4 steps
     (docs/benchmarks.md)."""
-    if dtype == torch.bfloat16 and device.type == "cpu" and not packs_on_cpu(dtype):
+    if dtype == torch.bfloat16 and device.type == "cpu" and not packs_on_cpu(dtype) and gemv.why_not():
         warnings.warn("rollout.sample_dtype='bfloat16' on a CPU without oneDNN bf16 kernels (no AVX-512 or "
-                      "AMX): sampling runs unpacked, several times slower and larger than 'float32' here; "
-                      "use rollout.sample_dtype='auto' (or 'float32')", stacklevel=2)
+                      "AMX) nor gemv.py's kernel (it did not build): sampling runs unpacked, several times "
+                      "slower and larger than 'float32' here; use rollout.sample_dtype='auto' (or 'float32')",
+                      stacklevel=2)
 
 
 class PackedLinear:
@@ -94,7 +97,8 @@ class PackedLinear:
 
 
 class _Blocked(PackedLinear):
-    """The same on gemv.py's few-row fp32 kernel, W laid out in its blocks."""
+    """The same on gemv.py's few-row kernel, W (fp32 or bf16) laid out in its blocks: fp32 sums, for bf16
+    rounded once to bf16 (bias included), as oneDNN's bf16 matmul rounds."""
     kernel = "blocked"
 
     def __init__(self, W: Tensor, b: Tensor | None):
@@ -102,8 +106,7 @@ class _Blocked(PackedLinear):
         self.N = W.shape[0]
 
     def __call__(self, x: Tensor) -> Tensor:
-        y = gemv.matmul(x, self.W, self.N)
-        return y if self.b is None else y.add_(self.b)
+        return gemv.matmul(x, self.W, self.N, self.b)
 
 
 class _OneDNN(PackedLinear):
@@ -124,27 +127,38 @@ class _OneDNN(PackedLinear):
         return torch.ops.mkldnn._linear_pointwise.binary(x, y, self.W, self.b, op)
 
 
+# bf16 decode batches up to this many rows use gemv.py's kernel even where oneDNN has bf16 kernels: there a
+# step reads the weights, and the blocked loop reads them faster (SmolLM2's projections on 2 threads of an
+# AVX-512 CPU: 1.43x / 1.34x / 1.12x at 1 / 2 / 3 rows, 0.96x at 4); above, the widening costs more than it
+# saves and oneDNN's bf16 dot products win (docs/benchmarks.md, "The few-row kernel", [58])
+BF16_BLOCKED_ROWS = 3
+
+
 def packed_linear(W: Tensor, b: Tensor | None, dtype: torch.dtype, rows: int) -> PackedLinear:
     """x (..., d_in) -> x·Wᵀ + b in `dtype`, W (d_out, d_in) copied to `dtype` once and laid out for the
-    kernel chosen here (its `kernel`): on a CPU, fp32 on gemv.py's few-row kernel where it builds (faster than
-    oneDNN's at every row count measured: docs/benchmarks.md), else oneDNN's prepacked one where this torch
-    has it for `dtype`; F.linear otherwise (e.g. CUDA)."""
+    kernel chosen here (its `kernel`): on a CPU, gemv.py's few-row kernel where it builds, for fp32 always
+    (faster than oneDNN's at every row count measured: docs/benchmarks.md), for bf16 where oneDNN has no bf16
+    kernels or the decode batch is at most BF16_BLOCKED_ROWS rows; else oneDNN's prepacked one where this
+    torch has it for `dtype`; F.linear otherwise (e.g. CUDA)."""
     W = W.detach().to(dtype).contiguous()
     b = None if b is None else b.detach().to(dtype)
-    if W.device.type == "cpu" and dtype == torch.float32 and _blocked_kernel():
+    cpu = W.device.type == "cpu"
+    if cpu and (dtype == torch.float32 or dtype == torch.bfloat16
+                and (rows <= BF16_BLOCKED_ROWS or not packs_on_cpu(dtype))) and _blocked_kernel():
         return _Blocked(W, b)
-    if W.device.type == "cpu" and packs_on_cpu(dtype):
+    if cpu and packs_on_cpu(dtype):
         return _OneDNN(W, b, rows)
     return PackedLinear(W, b)
 
 
 @functools.cache
 def _blocked_kernel() -> bool:
-    """Whether fp32 projections on this CPU use gemv.py's kernel; where it cannot be built, say why once (the
-    sampler then uses oneDNN's, about half the speed at a handful of rows: docs/benchmarks.md)."""
+    """Whether the packed sampler's projections on this CPU can use gemv.py's kernel; where it cannot be
+    built, say why once (the sampler then uses oneDNN's, about half the speed at a handful of rows:
+    docs/benchmarks.md)."""
     reason = gemv.why_not()
     if reason is not None:
-        warnings.warn(f"{reason}: fp32 sampling uses oneDNN's kernel instead (about half the speed at a "
+        warnings.warn(f"{reason}: sampling uses oneDNN's kernels instead (about half the speed at a "
                       "handful of rows); install a C++ compiler and `pip install ninja` for the faster one",
                       stacklevel=3)
     return reason is None
@@ -206,9 +220,7 @@ class PackedLM:
         # kernels, one call each rather than ~10 ops, ~6 and sdpa's setup (at a handful of rows, per-call
         # cost is the cost; sdpa's bf16 one-token path cost 1.5 ms a call at 32 rows: docs/benchmarks.md)
         cpu = self.embed.device.type == "cpu"
-        # (fp32 asks _blocked_kernel(), which also warns where the build fails: its matmul needs it too)
-        self.own_ops = cpu and (dtype == torch.float32 and _blocked_kernel()
-                                or dtype == torch.bfloat16 and gemv.why_not() is None)
+        self.own_ops = cpu and dtype in (torch.float32, torch.bfloat16) and _blocked_kernel()
         self.norm_op, self.rope_op = (gemv.rms_norm, gemv.rope) if self.own_ops else (_rms_norm, _rope)
 
         def lin(module) -> PackedLinear:
