@@ -84,15 +84,18 @@ FULL = Config(
 
 # SmolLM2-135M-Instruct (`projected-grpo get-model smollm2`; its ChatML template formats every prompt) on
 # the code loophole environment. CPU: a smoke of the mechanics on a real model, one problem per loophole
-# mode, one group of 3 students + 1 teacher row per step. Students sampled through the packed fp32 forward
-# (rollout.sample_dtype float32, its projections, attention, RMSNorm and rotary in sampling/gemv.py's kernels:
-# sampling at 0.63 of the machine's roofline against 0.19 for the model's own forward on an AVX2 CPU;
-# sample/kl ~1e-10, i.e. fp32 rounding). Step 13.7 s on one thread of a 2-core AVX2 CPU, of which sampling
-# 3.5 s; 8.3 s with `--run.threads 2` on both cores, idle otherwise (docs/benchmarks.md).
+# mode, one group of 3 students + 1 teacher row per step. Students sampled through the packed forward, its
+# projections, attention, RMSNorm and rotary in sampling/gemv.py's kernels (rollout.sample_dtype auto): from
+# bf16 weights where the CPU has bf16 units (AVX-512 or AMX; sample/kl ~1e-3, the ratio bf16 leaves
+# uncorrected), else from fp32 ones (sample/kl ~1e-10, fp32 rounding; sampling at 0.63 of the machine's
+# roofline against 0.19 for the model's own forward on an AVX2 CPU). Before 2026-11-28 fp32 on every CPU:
+# `--rollout.sample-dtype float32` reruns those runs. Step 13.7 s on one thread of a 2-core AVX2 CPU, of which
+# sampling 3.5 s; 8.3 s with `--run.threads 2` on both cores, idle otherwise; on a 2-core AVX-512 CPU with
+# bf16 units 12.1 s and 7.1 s (sampling 2.0 s) against fp32's 12.3 and 8.6 (docs/benchmarks.md [58]).
 SMOLLM2_CPU = Config(
     model=ModelCfg(source="hf", path="smollm2"),
     env=EnvCfg(max_problems=6),
-    rollout=RolloutCfg(prompts_per_step=1, group_size=4, mix=0.25, max_new_tokens=96, sample_dtype="float32"),
+    rollout=RolloutCfg(prompts_per_step=1, group_size=4, mix=0.25, max_new_tokens=96, sample_dtype="auto"),
     pool=PoolCfg(n_hack=1, n_clean=1),
     proj=ProjCfg(pairs_per_problem=1),
     run=RunCfg(steps=3, checkpoint_every=3),
