@@ -5,8 +5,9 @@ fp32, the result rounded once to bf16).
 The matmul: x (M, K) · Wᵀ with W (N, K) laid out once in blocks of 24 output columns, (ceil(N / 24), K, 24);
 each block is streamed from memory once while rows accumulate in registers, four at a time, over slices of
 256 k that stay in the L1 cache while every row tile passes. bf16 weights are half the bytes to stream and
-are widened in registers (exactly: a bf16 is a float's high half), so a bf16 block gives the bits the fp32
-block of the same values gives; at 1-3 rows that reads SmolLM2's projections 1.1-1.7x faster than oneDNN's
+are widened in registers (exactly: a bf16 is a float's high half; blocks of 16 columns, interleaved so that
+one load widens into two vectors by a shift and a mask), so a bf16 block gives the bits the fp32 block of
+the same values gives; at 1-3 rows that reads SmolLM2's projections 1.1-1.7x faster than oneDNN's
 bf16 kernel and 1.2-1.8x faster than the fp32 blocks (above 3 rows the widening costs more than it saves:
 packed.BF16_BLOCKED_ROWS; docs/benchmarks.md [58]).
 
@@ -107,8 +108,9 @@ def why_not() -> str | None:
 
 
 def block(W: Tensor) -> Tensor:
-    """W (N, K) fp32 or bf16 -> (ceil(N / 24), K, 24) in W's dtype: column block b holds rows 24·b ..
-    24·b + 23 of W, the last padded with zeros (24: the C++ source's NR)."""
+    """W (N, K) fp32 -> (ceil(N / 24), K, 24): column block b holds rows 24·b .. 24·b + 23 of W, the last
+    padded with zeros (24: the C++ source's Blk<float>::NR). bf16 -> (ceil(N / 16), K, 16) in bf16, a block's
+    16 columns interleaved: per k, slot 2i holds column i, slot 2i + 1 column 8 + i (Blk<uint16_t>)."""
     return _module().block(W.detach())
 
 

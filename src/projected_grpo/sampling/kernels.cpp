@@ -14,42 +14,64 @@
 #endif
 
 typedef float v8 __attribute__((vector_size(32)));
-constexpr int64_t NV = 3, NR = 8 * NV;  // a block: NR output columns as NV vectors
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 constexpr int64_t KC = 256;  // a slice of a block: 256 x 24 floats = 24 KiB, within a 32 KiB L1
 
 static inline v8 ld(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
+static inline v8 as_v8(u32x8 u) { v8 v; std::memcpy(&v, &u, sizeof v); return v; }
 
 // 8 values stored as fp32 or as bf16's bits (uint16), as fp32: bf16 widened exactly (a float's high half)
 static inline v8 ldf(const float* p) { return ld(p); }
 static inline v8 ldf(const uint16_t* p) {
 #ifdef __AVX2__  // one vpmovzxwd from memory and a shift: GCC lowers the generic form below to two halves
   return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16);
-#endif
+#else
   typedef uint16_t u16x8 __attribute__((vector_size(16)));
-  typedef uint32_t u32x8 __attribute__((vector_size(32)));
   u16x8 h;
   std::memcpy(&h, p, sizeof h);
-  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  v8 v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
+  return as_v8(__builtin_convertvector(h, u32x8) << 16);
+#endif
 }
+
+// A block of the matmul's weights: NR output columns of every k, NV vectors of 8 floats once loaded.
+// fp32: 24 columns in order (3 vectors x 4 rows = 12 accumulators of AVX2's 16 registers). bf16: 16
+// columns, interleaved so that one 32-byte load widens into two vectors by a shift and a mask (k's
+// uint16 2i holds column i, 2i + 1 column 8 + i: a uint32 lane's low half, then its high half), where a
+// widening load per 8 columns cost a shuffle and a shift each, and made 3-4 rows compute-bound
+template <typename W> struct Blk;
+template <> struct Blk<float> {
+  static constexpr int64_t NV = 3, NR = 24;
+  static inline void row(const float* w, v8* wv) {
+    for (int64_t j = 0; j < NV; ++j) wv[j] = ld(w + 8 * j);
+  }
+};
+template <> struct Blk<uint16_t> {
+  static constexpr int64_t NV = 2, NR = 16;
+  static inline void row(const uint16_t* w, v8* wv) {
+    u32x8 u;
+    std::memcpy(&u, w, sizeof u);
+    wv[0] = as_v8(u << 16);  // columns 0..7: the low halves, widened
+    wv[1] = as_v8(u & 0xFFFF0000u);  // columns 8..15: the high halves, already a float's high half
+  }
+  // where column c of a block sits in its k's NR values
+  static constexpr int64_t at(int64_t c) { return c < 8 ? 2 * c : 2 * (c - 8) + 1; }
+};
 
 // R rows (1..4) of x against k0 .. k1 - 1 of one block w (K, NR) of fp32 or bf16 weights (W: float or
 // uint16_t, bf16 widened exactly): y[r, 0:cols] = (k0 > 0 ? y[r] : 0) + sum_k x[r, k] * w[k, :] in fp32, k
-// in order, so a sum split at any k0 is the same sum
+// in order, so a sum split at any k0 is the same sum (and bf16 blocks give the fp32 blocks' bits)
 // pf .. pf_end: bytes of the weight stream to prefetch into L2 meanwhile, a line per k (none: pf_end = pf)
 template <int R, typename W>
 static inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const W* w, float* y,
                         int64_t ldy, int64_t cols, const char* pf, const char* pf_end) {
+  constexpr int64_t NV = Blk<W>::NV, NR = Blk<W>::NR;
   v8 acc[R][NV] = {};
   if (k0 > 0)
     for (int r = 0; r < R; ++r) std::memcpy(&acc[r][0], y + r * ldy, cols * sizeof(float));
   for (int64_t k = k0; k < k1; ++k) {
     if (pf < pf_end) { __builtin_prefetch(pf, 0, 1); pf += 64; }
     v8 wv[NV];
-#pragma GCC unroll 4
-    for (int64_t j = 0; j < NV; ++j) wv[j] = ldf(w + k * NR + 8 * j);
+    Blk<W>::row(w + k * NR, wv);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * K + k];
@@ -61,38 +83,43 @@ static inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const
 }
 
 // W (N, K) -> (ceil(N / NR), K, NR), the last block's missing columns zero: each block gathers NR rows of W
-// (NR sequential read streams, one write stream). T: float, or uint16_t for bf16's bits (a copy, no rounding)
+// (NR sequential read streams, one write stream). T: float, or uint16_t for bf16's bits (a copy, no rounding,
+// its columns interleaved as Blk<uint16_t> reads them)
+static inline int64_t slot(const float*, int64_t c) { return c; }
+static inline int64_t slot(const uint16_t*, int64_t c) { return Blk<uint16_t>::at(c); }
+
 template <typename T>
-static void block_as(const T* wp, T* op, int64_t N, int64_t K, int64_t nb) {
+static torch::Tensor block_as(const torch::Tensor& W) {
+  constexpr int64_t NR = Blk<T>::NR;
+  const int64_t N = W.size(0), K = W.size(1), nb = (N + NR - 1) / NR;
+  auto out = torch::empty({nb, K, NR}, W.options());
+  const T* wp = static_cast<const T*>(W.data_ptr());
+  T* op = static_cast<T*>(out.data_ptr());
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t rows = std::min(NR, N - b * NR);
       const T* src = wp + b * NR * K;
       T* ob = op + b * K * NR;
       for (int64_t k = 0; k < K; ++k) {  // writes in order; reads NR rows in step, a cache line per 16 k
-        for (int64_t r = 0; r < rows; ++r) ob[k * NR + r] = src[r * K + k];
-        for (int64_t r = rows; r < NR; ++r) ob[k * NR + r] = 0;  // +0.0 in both dtypes
+        for (int64_t r = 0; r < rows; ++r) ob[k * NR + slot(op, r)] = src[r * K + k];
+        for (int64_t r = rows; r < NR; ++r) ob[k * NR + slot(op, r)] = 0;  // +0.0 in both dtypes
       }
     }
   });
+  return out;
 }
 
 torch::Tensor block(torch::Tensor W) {
   const bool bf16 = W.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(W.dim() == 2 && (bf16 || W.scalar_type() == torch::kFloat), "block: W (N, K) float32 or bf16");
   W = W.contiguous();
-  const int64_t N = W.size(0), K = W.size(1), nb = (N + NR - 1) / NR;
-  auto out = torch::empty({nb, K, NR}, W.options());
-  if (bf16)
-    block_as(static_cast<const uint16_t*>(W.data_ptr()), static_cast<uint16_t*>(out.data_ptr()), N, K, nb);
-  else
-    block_as(W.data_ptr<float>(), out.data_ptr<float>(), N, K, nb);
-  return out;
+  return bf16 ? block_as<uint16_t>(W) : block_as<float>(W);
 }
 
 template <typename T>
 static void blocked_matmul_as(const float* xp, const T* wp, float* yp, int64_t M, int64_t K, int64_t N,
                               int64_t nb) {
+  constexpr int64_t NR = Blk<T>::NR;
   const char* end = reinterpret_cast<const char*>(wp + nb * K * NR);  // the stream's end: no prefetch past it
   const int64_t tiles = (M + 3) / 4;
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
@@ -129,9 +156,11 @@ static void blocked_matmul_as(const float* xp, const T* wp, float* yp, int64_t M
 // fp32 sum (bf16 weights widened exactly), so the same bits for bf16 blocks as for fp32 blocks of the same
 // (widened) values
 torch::Tensor blocked_matmul(torch::Tensor x, torch::Tensor Wb, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && Wb.dim() == 3 && Wb.size(2) == NR && x.size(1) == Wb.size(1),
-              "blocked_matmul: x (M, K), Wb (ceil(N / ", NR, "), K, ", NR, ")");
   const bool bf16 = Wb.scalar_type() == torch::kBFloat16;
+  const int64_t NR = bf16 ? Blk<uint16_t>::NR : Blk<float>::NR;
+  TORCH_CHECK(x.dim() == 2 && Wb.dim() == 3 && Wb.size(2) == NR && x.size(1) == Wb.size(1) &&
+              Wb.size(0) == (N + NR - 1) / NR,
+              "blocked_matmul: x (M, K), Wb (ceil(N / ", NR, "), K, ", NR, ") for its dtype");
   TORCH_CHECK(x.scalar_type() == torch::kFloat && (bf16 || Wb.scalar_type() == torch::kFloat),
               "blocked_matmul: x float32, Wb float32 or bfloat16");
   x = x.contiguous();
