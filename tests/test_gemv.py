@@ -140,7 +140,7 @@ def test_block_of_bf16_weights_by_hand():
     W = torch.arange(40.0).view(20, 2).bfloat16()  # N 20, K 2: blocks of 16 columns, the second 4 + 12 zero
     Wb = gemv.block(W)
     assert Wb.dtype == torch.bfloat16 and Wb.shape == (2, 2, 16)
-    # per k, slot 2i holds column i and slot 2i + 1 column 8 + i: k 0 -> W[0, 0], W[8, 0], W[1, 0], W[9, 0], ...
+    # per k, slot 2i holds column i, slot 2i + 1 column 8 + i: k 0 -> W[0, 0], W[8, 0], W[1, 0], W[9, 0], ...
     assert Wb[0, 0].tolist() == [v for i in range(8) for v in (2.0 * i, 2.0 * (8 + i))]
     assert Wb[0, 1].tolist() == [v for i in range(8) for v in (2.0 * i + 1, 2.0 * (8 + i) + 1)]
     # block 1 holds columns 16..19 at slots 0, 2, 4, 6 (k 0: W[16..19, 0] = 32, 34, 36, 38), the rest +0.0
