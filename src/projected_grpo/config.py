@@ -135,15 +135,14 @@ class RolloutCfg:
     """weights the students (and evals) are sampled with: `model` the policy as it is (fp32: the HF forward's
     logits bit for bit); `bfloat16` a bf16 copy of the merged weights prepacked for the CPU's bf16 units, or
     for sampling/gemv.py's few-row kernel at up to 3 rows or without them (sampling/packed.py; Llama/Qwen2
-    only): about half the memory traffic per token, but the behaviour
-    log-probs are the bf16 model's, so a student token's ratio pi_theta / mu is not exactly 1 (sample/* logs
-    it); `float32` the same packed forward in fp32 (~2x faster than `model` on a CPU, measured in
-    docs/benchmarks.md; for an fp32 model its log-probs within fp32 rounding, ~1e-6, of the model's). Both
-    packed dtypes hold a copy of the weights while sampling (bf16: half the model's size; fp32: its size);
-    training, knobs and merged weights stay in the model's dtype. `auto`: on a CPU `bfloat16` where oneDNN has
-    bf16 kernels (AVX-512 or AMX), else `float32` (bf16 there runs on gemv.py's kernel alone, which beats fp32
-    only at a few rows: docs/benchmarks.md [59]); on a GPU
-    `model`; resolved when the run starts (config.json holds which)"""
+    only): about half the memory traffic per token, but the behaviour log-probs are the bf16 model's, so a
+    student token's ratio pi_theta / mu is not exactly 1 (sample/* logs it); `float32` the same packed
+    forward in fp32 (~2x faster than `model` on a CPU, measured in docs/benchmarks.md; for an fp32 model its
+    log-probs within fp32 rounding, ~1e-6, of the model's). Both packed dtypes hold a copy of the weights
+    while sampling (bf16: half the model's size; fp32: its size); training, knobs and merged weights stay in
+    the model's dtype. `auto`: on a CPU `bfloat16` where oneDNN has bf16 kernels (AVX-512 or AMX), else
+    `float32` (bf16 there runs on gemv.py's kernel alone, which beats fp32 only at a few rows:
+    docs/benchmarks.md [59]); on a GPU `model`; resolved when the run starts (config.json holds which)"""
     retire: bool = False
     """drop finished rows from the decode batch (sampling/generate.py), so each token costs only the rows
     still decoding: SmolLM2's maths sampling 1.05x faster with untrained answers, 1.27-1.34x with answers
