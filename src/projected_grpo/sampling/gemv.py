@@ -7,9 +7,9 @@ each block is streamed from memory once while rows accumulate in registers, four
 256 k that stay in the L1 cache while every row tile passes. bf16 weights are half the bytes to stream and
 are widened in registers (exactly: a bf16 is a float's high half; blocks of 16 columns, interleaved so that
 one load widens into two vectors by a shift and a mask), so a bf16 block gives the bits the fp32 block of
-the same values gives; at 1-3 rows that reads SmolLM2's projections 1.1-1.7x faster than oneDNN's
-bf16 kernel and 1.2-1.8x faster than the fp32 blocks (above 3 rows the widening costs more than it saves:
-packed.BF16_BLOCKED_ROWS; docs/benchmarks.md [58]).
+the same values gives. At 1-2 rows that reads SmolLM2's projections 1.4-1.7x faster than oneDNN's bf16
+kernel, at 3 as fast, and 1.1-1.8x faster than the fp32 blocks; above 3 rows it is slower than oneDNN's
+(packed.BF16_BLOCKED_ROWS; docs/benchmarks.md [58], [59]).
 
 Why written by hand: at a handful of rows a decode step's matmul is a read of the weights, and its speed is
 the read bandwidth. oneDNN's prepacked fp32 kernel (torch.ops.mkldnn, what the sampler used before) reads

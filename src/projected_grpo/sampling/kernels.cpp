@@ -15,7 +15,7 @@
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
-constexpr int64_t KC = 256;  // a slice of a block: 256 x 24 floats = 24 KiB, within a 32 KiB L1
+constexpr int64_t KC = 256;  // a slice of a block: 256 x 24 floats = 24 KiB (bf16: 8), within a 32 KiB L1
 
 static inline v8 ld(const float* p) { v8 v; std::memcpy(&v, p, sizeof v); return v; }
 static inline v8 as_v8(u32x8 u) { v8 v; std::memcpy(&v, &u, sizeof v); return v; }
@@ -37,7 +37,7 @@ static inline v8 ldf(const uint16_t* p) {
 // fp32: 24 columns in order (3 vectors x 4 rows = 12 accumulators of AVX2's 16 registers). bf16: 16
 // columns, interleaved so that one 32-byte load widens into two vectors by a shift and a mask (k's
 // uint16 2i holds column i, 2i + 1 column 8 + i: a uint32 lane's low half, then its high half), where a
-// widening load per 8 columns cost a shuffle and a shift each, and made 3-4 rows compute-bound
+// widening load per 8 columns costs a shuffle and a shift each
 template <typename W> struct Blk;
 template <> struct Blk<float> {
   static constexpr int64_t NV = 3, NR = 24;

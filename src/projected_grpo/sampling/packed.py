@@ -64,7 +64,7 @@ def auto_dtype(device: str) -> str:
 
 def warn_if_unpacked(dtype: torch.dtype, device: torch.device) -> None:
     """Warn (once per process and call site) that bf16 sampling on this CPU has no kernel to pack for: neither
-    oneDNN's bf16 ones nor gemv.py's few-row kernel (which takes bf16 weights on any x86 CPU with AVX2).
+    oneDNN's bf16 ones nor gemv.py's few-row kernel (which takes bf16 weights wherever it builds).
 
     Without them every bf16 matmul runs as a plain bf16 F.linear: on an AVX2 CPU the `smollm2-math-cpu` step
     measured 2.4x the time (sampling 3.1x) of packed fp32, its peak memory 11.5 GB against 3.2 after 4 steps
@@ -128,9 +128,9 @@ class _OneDNN(PackedLinear):
 
 
 # bf16 decode batches up to this many rows use gemv.py's kernel even where oneDNN has bf16 kernels: there a
-# step reads the weights, and the blocked loop reads them faster (SmolLM2's projections on 2 threads of an
-# AVX-512 CPU: 1.43x / 1.34x / 1.12x at 1 / 2 / 3 rows, 0.96x at 4); above, the widening costs more than it
-# saves and oneDNN's bf16 dot products win (docs/benchmarks.md, "The few-row kernel", [58])
+# step reads the weights, and the blocked loop reads them faster (SmolLM2's projections on an AVX-512 CPU,
+# one and two threads: 1.4-1.7x at 1-2 rows, 0.99-1.01x at 3, 0.8x at 4); above, the widening costs more
+# than it saves and oneDNN's bf16 dot products win (docs/benchmarks.md, "The few-row kernel", [58], [59])
 BF16_BLOCKED_ROWS = 3
 
 
