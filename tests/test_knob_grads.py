@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from oracles import pair_grads_isolated
 from torch import nn
 
-from projected_grpo.hack.knob_grads import pair_grads
+from projected_grpo.hack.knob_grads import CHUNK_BYTES_CPU, MAX_CHUNK_TOKENS, chunk_tokens_for, pair_grads
 from projected_grpo.hack.pairs import Pair
 from projected_grpo.knobs.adapters import wrap
 
@@ -193,3 +193,20 @@ def test_repeated_sequences_are_computed_once(tmp_path, monkeypatch):
     for a, b in zip(once, thrice):
         for n in a:
             assert torch.equal(b[n], a[n].repeat(3, 1))
+
+
+def test_chunk_tokens_by_the_models_sizes():
+    def model(**sizes):
+        m = nn.Linear(1, 1)
+        m.config = types.SimpleNamespace(**sizes)
+        return m
+
+    # SmolLM2-135M: 4 B x (4 x 49152 vocab + 30 layers x (10 x 576 hidden + 5 x 1536 MLP)) = 4 x 599808 =
+    # 2,399,232 B a token; 2.5e9 // 2,399,232 = 1042 tokens a chunk
+    assert CHUNK_BYTES_CPU == 2.5e9
+    assert chunk_tokens_for(model(hidden_size=576, num_hidden_layers=30, vocab_size=49152,
+                                  intermediate_size=1536)) == 1042
+    # the organism (96 hidden, 3 layers, 1024 vocab): 4 x (4096 + 3 x (960 + 1920)) = 50,944 B a token: max
+    assert chunk_tokens_for(model(hidden_size=96, num_hidden_layers=3, vocab_size=1024,
+                                  intermediate_size=384)) == MAX_CHUNK_TOKENS == 4096
+    assert chunk_tokens_for(ToyLM()) == MAX_CHUNK_TOKENS  # no config to size it by

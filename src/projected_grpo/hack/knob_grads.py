@@ -26,6 +26,34 @@ from projected_grpo.sampling.score import forward_logprobs
 
 LABELS = ("hack", "clean")
 
+# A chunk's activations for the backward, at most (docs/benchmarks.md [60]): SmolLM2-135M's per-pair gradients
+# at 4096 tokens a chunk peaked at 10.8 GB RSS, at 1024 at 4.3 GB (and ran 1.3x faster). On a GPU a quarter of
+# its memory instead.
+CHUNK_BYTES_CPU = 2.5e9
+MAX_CHUNK_TOKENS = 4096
+
+
+def chunk_tokens_for(model) -> int:
+    """The padded tokens a chunk may hold for `model`: MAX_CHUNK_TOKENS, fewer where an estimate of the
+    backward's fp32 bytes per token (log-probs over the vocabulary ~4 copies, each layer's saved activations
+    ~10 of the hidden width and ~5 of the MLP's, calibrated on SmolLM2: 2.4 MB a token estimated, 2.1-2.6
+    measured) would pass the budget (CHUNK_BYTES_CPU; a quarter of the device's memory on a GPU). The
+    organism's and the bench models' chunks stay at the maximum, and so does a model without a Hugging Face
+    config giving those sizes. A chunk's size changes V_hack's per-pair gradients in the last bits (another
+    batch shape; 2e-6 at most on SmolLM2), as the thread count does."""
+    c = getattr(model, "config", None)
+    text = getattr(c, "text_config", c)
+    hidden, layers, vocab = (getattr(text, a, None)
+                             for a in ("hidden_size", "num_hidden_layers", "vocab_size"))
+    if not (hidden and layers and vocab):
+        return MAX_CHUNK_TOKENS
+    inter = getattr(text, "intermediate_size", None) or 4 * hidden
+    per_token = 4 * (4 * vocab + layers * (10 * hidden + 5 * inter))
+    device = next(model.parameters()).device
+    budget = (torch.cuda.get_device_properties(device).total_memory / 4 if device.type == "cuda"
+              else CHUNK_BYTES_CPU)
+    return int(max(1, min(MAX_CHUNK_TOKENS, budget // per_token)))
+
 
 def _nll_mean(logp: Tensor, mask: Tensor, const: float) -> Tensor:
     return -(logp * mask).sum(-1) / mask.sum(-1)  # (N,) length-normalised
@@ -98,16 +126,17 @@ def _chunks(order: list[int], lengths: list[int], max_seqs: int, max_tokens: int
 
 def sequence_grads(model, knobs, prompt_ids: Sequence[Tensor], completion_ids: Sequence[Tensor], pad_id: int,
                    norm: str = "mean", nll_const: float = 1.0, chunk_size: int = 32,
-                   chunk_tokens: int = 4096, names: Sequence[str] = ()) -> dict[str, Tensor]:
+                   chunk_tokens: int | None = None, names: Sequence[str] = ()) -> dict[str, Tensor]:
     """Per module the knob gradient of each sequence's own completion NLL: name -> (N, R) fp32 CPU.
 
     Row n is ∂NLL_n/∂knobs.modules[name].delta of (prompt_ids[n] (T_p,), completion_ids[n] (T_c,), both
     torch.long) alone, at whatever values the knobs hold. Sequences are packed in chunks of at most
-    chunk_size sequences and chunk_tokens padded tokens (one at least), sorted by length so a chunk pads
-    little; one backward of Σ_n NLL_n per chunk yields every row through the per-sequence capture
-    (split.py). .grad is left untouched; the model runs in eval mode (no dropout). A non-finite NLL raises
-    naming the row (`names[n]` when given).
+    chunk_size sequences and chunk_tokens padded tokens (one at least; None: chunk_tokens_for(model)),
+    sorted by length so a chunk pads little; one backward of Σ_n NLL_n per chunk yields every row through the
+    per-sequence capture (split.py). .grad is left untouched; the model runs in eval mode (no dropout). A
+    non-finite NLL raises naming the row (`names[n]` when given).
     """
+    chunk_tokens = chunk_tokens_for(model) if chunk_tokens is None else chunk_tokens
     if chunk_size < 1 or chunk_tokens < 1:
         raise ValueError(f"sequence_grads: chunk_size and chunk_tokens must be >= 1, got {chunk_size}, "
                          f"{chunk_tokens}")
@@ -146,20 +175,22 @@ def sequence_grads(model, knobs, prompt_ids: Sequence[Tensor], completion_ids: S
 
 
 def pair_grads(model, knobs, tokenizer, pairs: Sequence[Pair], norm: str = "mean", nll_const: float = 1.0,
-               chunk_size: int = 32, chunk_tokens: int = 4096) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+               chunk_size: int = 32, chunk_tokens: int | None = None
+               ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Per module knob gradients of the completion NLL: g_hack[name], g_clean[name] (P, R) fp32 CPU.
 
     Row i is ∂NLL/∂knobs.modules[name].delta of pair i's hack (clean) completion alone, at whatever
     values the knobs hold (typically zero = the base model; not under knobs.zeroed(), which takes them
     off the graph). `knobs` must be an adapters.Knobs (its per-sequence capture is what batches this).
     Sequences are processed in chunks of at most chunk_size sequences and chunk_tokens padded tokens (one
-    sequence at least): that bounds activation memory also for a real model's long prompts (SmolLM2's
-    V_hack peaked at 21.8 GB RSS with 32 sequences a chunk). Sorted by length so a chunk pads little.
+    sequence at least; None: chunk_tokens_for(model)): that bounds activation memory also for a real model's
+    long prompts (SmolLM2's V_hack peaked at 21.8 GB RSS with 32 sequences a chunk, 10.8 GB at 4096 tokens).
+    Sorted by length so a chunk pads little.
     .grad of every parameter is left untouched; model in eval mode (no dropout) while it runs. A non-finite
     NLL raises naming the pair index and label, before any backward. Sequences repeated across pairs (same
     prompt ids and completion ids) are computed once and copied.
     """
-    if chunk_size < 1 or chunk_tokens < 1:
+    if chunk_size < 1 or (chunk_tokens is not None and chunk_tokens < 1):
         raise ValueError(f"pair_grads: chunk_size and chunk_tokens must be >= 1, got {chunk_size}, "
                          f"{chunk_tokens}")
     seqs = _sequences(tokenizer, pairs)
