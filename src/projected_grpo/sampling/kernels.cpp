@@ -44,6 +44,7 @@ template <> struct Blk<float> {
   static inline void row(const float* w, v8* wv) {
     for (int64_t j = 0; j < NV; ++j) wv[j] = ld(w + 8 * j);
   }
+  static constexpr int64_t at(int64_t c) { return c; }  // where column c sits in its k's NR values
 };
 template <> struct Blk<uint16_t> {
   static constexpr int64_t NV = 2, NR = 16;
@@ -84,9 +85,7 @@ static inline void tile(const float* x, int64_t K, int64_t k0, int64_t k1, const
 
 // W (N, K) -> (ceil(N / NR), K, NR), the last block's missing columns zero: each block gathers NR rows of W
 // (NR sequential read streams, one write stream). T: float, or uint16_t for bf16's bits (a copy, no rounding,
-// its columns interleaved as Blk<uint16_t> reads them)
-static inline int64_t slot(const float*, int64_t c) { return c; }
-static inline int64_t slot(const uint16_t*, int64_t c) { return Blk<uint16_t>::at(c); }
+// its columns where Blk<T>::at puts them)
 
 template <typename T>
 static torch::Tensor block_as(const torch::Tensor& W) {
@@ -101,8 +100,8 @@ static torch::Tensor block_as(const torch::Tensor& W) {
       const T* src = wp + b * NR * K;
       T* ob = op + b * K * NR;
       for (int64_t k = 0; k < K; ++k) {  // writes in order; reads NR rows in step, a cache line per 16 k
-        for (int64_t r = 0; r < rows; ++r) ob[k * NR + slot(op, r)] = src[r * K + k];
-        for (int64_t r = rows; r < NR; ++r) ob[k * NR + slot(op, r)] = 0;  // +0.0 in both dtypes
+        for (int64_t r = 0; r < rows; ++r) ob[k * NR + Blk<T>::at(r)] = src[r * K + k];
+        for (int64_t r = rows; r < NR; ++r) ob[k * NR + Blk<T>::at(r)] = 0;  // +0.0 in both dtypes
       }
     }
   });

@@ -143,12 +143,18 @@ def packed_linear(W: Tensor, b: Tensor | None, dtype: torch.dtype, rows: int) ->
     W = W.detach().to(dtype).contiguous()
     b = None if b is None else b.detach().to(dtype)
     cpu = W.device.type == "cpu"
-    if cpu and (dtype == torch.float32 or dtype == torch.bfloat16
-                and (rows <= BF16_BLOCKED_ROWS or not packs_on_cpu(dtype))) and _blocked_kernel():
+    if cpu and _blocked_pays(dtype, rows) and _blocked_kernel():
         return _Blocked(W, b)
     if cpu and packs_on_cpu(dtype):
         return _OneDNN(W, b, rows)
     return PackedLinear(W, b)
+
+
+def _blocked_pays(dtype: torch.dtype, rows: int) -> bool:
+    """Whether gemv.py's kernel is the faster one on a CPU for `dtype` at a decode batch of `rows`: fp32
+    always; bf16 up to BF16_BLOCKED_ROWS rows, or at any where oneDNN has no bf16 kernels."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16
+                                      and (rows <= BF16_BLOCKED_ROWS or not packs_on_cpu(dtype)))
 
 
 @functools.cache
